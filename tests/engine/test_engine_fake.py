@@ -1,0 +1,229 @@
+"""Engine invariants on the deterministic fake model: exact outputs, no leaks, any interleaving."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trio_infer.engine.engine import Engine, EngineConfig
+from trio_infer.engine.params import SamplingParams
+from trio_infer.models.fake import FakeModel
+
+VOCAB = 97
+
+
+def expected(model: FakeModel, prompt: list[int], n: int, eos: bool = False) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(n):
+        t = model.next_token(seq)
+        out.append(t)
+        seq.append(t)
+        if eos and t == model.eos_token_id:
+            break
+    return out
+
+
+def drain(engine: Engine) -> dict:
+    outs: dict = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.uid, []).append(o)
+    return outs
+
+
+def assert_clean(engine: Engine) -> None:
+    assert engine.pool.num_used == 0
+    assert engine.num_running == engine.num_waiting == engine.num_requests == 0
+
+
+def test_outputs_exact_with_chunked_prefill_and_tiny_pool() -> None:
+    model = FakeModel(vocab_size=VOCAB)
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=24, max_running=6, max_batched_tokens=8))
+    prompts = {i: [(i * 7 + j) % (VOCAB - 1) + 1 for j in range(3 + 5 * i)] for i in range(8)}
+    for uid, p in prompts.items():
+        engine.add_request(uid, p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    outs = drain(engine)
+    for uid, p in prompts.items():
+        got = [t for o in outs[uid] for t in o.token_ids]
+        assert got == expected(model, p, 12)
+        assert outs[uid][-1].finish_reason == "length"
+        assert [o.finish_reason for o in outs[uid][:-1]] == [None] * 11
+        assert outs[uid][-1].num_output_tokens == 12
+    assert_clean(engine)
+
+
+def test_stop_reasons() -> None:
+    model = FakeModel(vocab_size=VOCAB)
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=64))
+    prompt = [5, 6, 7]
+    exp = expected(model, prompt, 5)
+    engine.add_request("tok", prompt, SamplingParams(temperature=0, stop_token_ids=(exp[2],)))
+    engine.add_request("len", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    outs = drain(engine)
+    assert [o.token_ids[0] for o in outs["tok"]] == exp[:3]
+    assert outs["tok"][-1].finish_reason == "stop"
+    assert outs["tok"][-1].stop_token_id == exp[2]
+    assert outs["len"][-1].finish_reason == "length"
+    assert outs["len"][-1].stop_token_id is None
+
+
+def test_eos_stops_unless_ignored() -> None:
+    model = FakeModel(vocab_size=VOCAB)
+    prompt = [3, 1, 4]
+    exp = expected(model, prompt, 3)
+    model = FakeModel(vocab_size=VOCAB, eos_token_id=exp[1])  # make the second token the EOS
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=64))
+    engine.add_request("a", prompt, SamplingParams(temperature=0))
+    engine.add_request("b", prompt, SamplingParams(temperature=0, ignore_eos=True, max_tokens=3))
+    outs = drain(engine)
+    assert [o.finish_reason for o in outs["a"]] == [None, "stop"]
+    assert [t for o in outs["b"] for t in o.token_ids] == exp
+
+
+def test_context_limit_is_length_and_capped_by_pool() -> None:
+    model = FakeModel(vocab_size=VOCAB, max_model_len=1000)
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=5))  # pool holds 20 tokens
+    assert engine.max_model_len == 20
+    engine.add_request("x", list(range(1, 16)), SamplingParams(temperature=0, ignore_eos=True))
+    outs = drain(engine)["x"]
+    assert len(outs) == 5 and outs[-1].finish_reason == "length"
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request("y", list(range(1, 21)), SamplingParams())
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize(
+    "prompt, msg", [([], "empty"), ([VOCAB], r"\[0, 97\)"), ([-1], r"\[0, 97\)")]
+)
+def test_rejects_bad_prompts(prompt: list[int], msg: str) -> None:
+    engine = Engine(FakeModel(vocab_size=VOCAB), EngineConfig(page_size=4, num_pages=8))
+    with pytest.raises(ValueError, match=msg):
+        engine.add_request("x", prompt, SamplingParams())
+    assert_clean(engine)
+
+
+def test_duplicate_uid_rejected() -> None:
+    engine = Engine(FakeModel(vocab_size=VOCAB), EngineConfig(page_size=4, num_pages=8))
+    engine.add_request("x", [1], SamplingParams())
+    with pytest.raises(ValueError, match="in use"):
+        engine.add_request("x", [1], SamplingParams())
+
+
+def test_paused_sequence_keeps_pages_and_resumes() -> None:
+    model = FakeModel(vocab_size=VOCAB)
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=32))
+    engine.add_request("p", [1, 2, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    got = [t for o in engine.step() for t in o.token_ids]
+    engine.set_ready("p", False)
+    held = engine.pool.num_used
+    for _ in range(5):
+        assert engine.step() == []
+    assert engine.pool.num_used == held > 0
+    engine.set_ready("p", True)
+    got += [t for outs in drain(engine).values() for o in outs for t in o.token_ids]
+    assert got == expected(model, [1, 2, 3], 6)
+    assert_clean(engine)
+
+
+def test_abort_while_step_in_flight_is_skipped_by_commit() -> None:
+    engine = Engine(FakeModel(vocab_size=VOCAB), EngineConfig(page_size=4, num_pages=32))
+    engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5))
+    plan = engine.schedule()
+    result = engine.execute(plan)
+    assert engine.abort("a")
+    assert engine.commit(plan, result) == []
+    assert not engine.abort("a")
+    assert_clean(engine)
+
+
+def test_fail_drops_the_step_requests_only() -> None:
+    engine = Engine(FakeModel(vocab_size=VOCAB), EngineConfig(page_size=4, num_pages=32))
+    engine.add_request("a", [1, 2], SamplingParams(temperature=0, max_tokens=5))
+    engine.set_ready("a", True)
+    plan = engine.schedule()
+    engine.add_request("b", [3, 4], SamplingParams(temperature=0, max_tokens=2))
+    assert engine.fail(plan) == ["a"]
+    outs = drain(engine)
+    assert list(outs) == ["b"]
+    assert_clean(engine)
+
+
+# -- property: any interleaving of adds, aborts, pauses and steps ---------------------------------
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 15)),
+        st.tuples(st.just("abort"), st.integers(0, 30)),
+        st.tuples(st.just("pause"), st.integers(0, 30), st.booleans()),
+        st.tuples(st.just("step"), st.integers(1, 3)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=ops,
+    num_pages=st.integers(3, 30),
+    page_size=st.sampled_from([1, 2, 4, 8]),
+    max_running=st.integers(1, 6),
+    extra_budget=st.integers(0, 20),
+)
+def test_any_interleaving_is_exact_and_leak_free(
+    ops: list, num_pages: int, page_size: int, max_running: int, extra_budget: int
+) -> None:
+    model = FakeModel(vocab_size=VOCAB)
+    config = EngineConfig(
+        page_size=page_size,
+        num_pages=num_pages,
+        max_running=max_running,
+        max_batched_tokens=max_running + extra_budget,
+    )
+    engine = Engine(model, config)
+    prompts: dict[int, list[int]] = {}
+    max_tokens: dict[int, int] = {}
+    got: dict[int, list[int]] = {}
+    finished: dict[int, str] = {}
+    aborted: set[int] = set()
+
+    def run_step() -> None:
+        for o in engine.step():
+            assert o.uid not in finished and o.uid not in aborted
+            got[o.uid].extend(o.token_ids)
+            if o.finish_reason:
+                finished[o.uid] = o.finish_reason
+
+    for op in ops:
+        if op[0] == "add":
+            uid = len(prompts)
+            plen = min(op[1], engine.max_model_len - 1)
+            prompts[uid] = [(uid * 13 + j * 7) % (VOCAB - 1) + 1 for j in range(plen)]
+            max_tokens[uid] = op[2]
+            got[uid] = []
+            engine.add_request(
+                uid, prompts[uid], SamplingParams(temperature=0, max_tokens=op[2], ignore_eos=True)
+            )
+        elif op[0] == "abort":
+            if engine.abort(op[1]):
+                aborted.add(op[1])
+        elif op[0] == "pause":
+            engine.set_ready(op[1], op[2])
+        else:
+            for _ in range(op[1]):
+                run_step()
+        assert engine.pool.num_used <= engine.pool.num_pages
+    for uid in prompts:
+        engine.set_ready(uid, True)
+    while engine.has_unfinished():
+        run_step()
+
+    assert_clean(engine)
+    for uid, prompt in prompts.items():
+        if uid in aborted:
+            # Whatever it produced before the abort is a prefix of the truth.
+            assert got[uid] == expected(model, prompt, len(got[uid]))
+            continue
+        limit = min(max_tokens[uid], engine.max_model_len - len(prompt))
+        assert got[uid] == expected(model, prompt, limit)
+        assert finished[uid] == "length"

@@ -1,0 +1,223 @@
+"""The engine: a pure step function over the scheduler, the KV cache and the model.
+
+One step is three calls, so a server can run the heavy middle one off its event loop::
+
+    plan = engine.schedule()          # cheap, decides the batch, snapshots what the step reads
+    result = engine.execute(plan)     # heavy: forward pass and sampling
+    outputs = engine.commit(plan, result)
+
+``add_request``, ``abort`` and ``set_ready`` may be called between any two of these calls, also
+while ``execute`` runs in another thread: ``execute`` reads only the plan (a snapshot) and
+writes only the KV pages the plan owns, and pages are only handed out again by ``schedule``.
+A sequence aborted while its step was in flight is simply skipped by ``commit``.
+``step()`` does all three, for offline use and tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+
+from trio_infer.engine.forward_batch import ForwardBatch
+from trio_infer.engine.kv_cache import KVCache, PagePool
+from trio_infer.engine.model_runner import ModelRunner
+from trio_infer.engine.params import SamplingParams
+from trio_infer.engine.sampler import SampleResult, TokenLogprob
+from trio_infer.engine.scheduler import Schedule, Scheduler
+from trio_infer.engine.sequence import Sequence, Status
+from trio_infer.models.base import CausalLM
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16
+    num_pages: int | None = None  # None: size the pool from kv_cache_bytes
+    kv_cache_bytes: int = 256 * 2**20
+    max_running: int = 64
+    max_batched_tokens: int = 512
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request: at most one new token, maybe a finish."""
+
+    uid: Hashable
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # "stop" | "length" | None while running
+    stop_token_id: int | None  # the EOS/stop token that ended it (it is in token_ids)
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class StepPlan:
+    schedule: Schedule
+    batch: ForwardBatch
+    sampling: list[Sequence] = field(default_factory=list)  # sequences in logits-row order
+
+
+class Engine:
+    def __init__(
+        self, model: CausalLM, config: EngineConfig = EngineConfig(), device: str = "cpu"
+    ) -> None:
+        info = model.info
+        self.model = model
+        self.config = config
+        self.device = torch.device(device)
+        num_pages = config.num_pages or max(
+            1,
+            config.kv_cache_bytes
+            // KVCache.bytes_per_page(
+                info.num_layers, config.page_size, info.num_kv_heads, info.head_dim, info.dtype
+            ),
+        )
+        self.kv_cache = KVCache(
+            info.num_layers,
+            num_pages,
+            config.page_size,
+            info.num_kv_heads,
+            info.head_dim,
+            info.dtype,
+            self.device,
+        )
+        self.pool = PagePool(num_pages)
+        # A sequence alone must always fit in the pool, so preemption can always make progress.
+        self.max_model_len = min(info.max_model_len, num_pages * config.page_size)
+        self.eos_token_ids = frozenset(info.eos_token_ids)
+        self.scheduler = Scheduler(
+            self.pool, config.page_size, config.max_running, config.max_batched_tokens
+        )
+        self.runner = ModelRunner(model, self.kv_cache, self.device)
+        self._seqs: dict[Hashable, Sequence] = {}
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, uid: Hashable, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises ValueError for input the engine can never serve."""
+        if uid in self._seqs:
+            raise ValueError(f"request id {uid!r} is already in use")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.info.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len}"
+            )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq = Sequence(
+            uid=uid,
+            token_ids=list(prompt_ids),
+            num_prompt_tokens=len(prompt_ids),
+            params=params,
+            max_len=self.max_model_len,
+            generator=generator,
+        )
+        self._seqs[uid] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, uid: Hashable) -> bool:
+        """Drop a request wherever it is, freeing its pages. False if it is unknown or done."""
+        seq = self._seqs.pop(uid, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.finish_reason = "abort"
+        return True
+
+    def set_ready(self, uid: Hashable, ready: bool) -> None:
+        """Pause (False) or resume (True) a request whose reader is behind. Keeps its state."""
+        seq = self._seqs.get(uid)
+        if seq is not None:
+            seq.ready = ready
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        schedule = self.scheduler.schedule()
+        if schedule is None:
+            return None
+        batch = self.runner.prepare(schedule)
+        sampling = [it.seq for it in schedule.items if it.samples]
+        return StepPlan(schedule, batch, sampling)
+
+    def execute(self, plan: StepPlan) -> SampleResult:
+        return self.runner.run(plan.batch, plan.sampling)
+
+    def commit(self, plan: StepPlan, result: SampleResult) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        row = 0
+        for it in plan.schedule.items:
+            seq = it.seq
+            if it.samples:
+                token, logprob = result.token_ids[row], result.logprobs[row]
+                row += 1
+            if seq.status is not Status.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed = it.start + it.num_tokens
+            if not it.samples:
+                continue
+            seq.token_ids.append(token)
+            reason, stop_token = self._stop_reason(seq, token)
+            if reason is not None:
+                self.scheduler.remove(seq)
+                del self._seqs[seq.uid]
+                seq.finish_reason = reason
+            outputs.append(
+                RequestOutput(
+                    uid=seq.uid,
+                    token_ids=[token],
+                    logprobs=[logprob] if logprob is not None else None,
+                    finish_reason=reason,
+                    stop_token_id=stop_token,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_output_tokens=seq.num_output_tokens,
+                )
+            )
+        return outputs
+
+    def fail(self, plan: StepPlan) -> list[Hashable]:
+        """A step raised: drop every request it carried (their KV is suspect). Returns their uids."""
+        uids = [it.seq.uid for it in plan.schedule.items if it.seq.uid in self._seqs]
+        for uid in uids:
+            self.abort(uid)
+        return uids
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.schedule()
+        if plan is None:
+            return []
+        return self.commit(plan, self.execute(plan))
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._seqs)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        p = seq.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            return "stop", token
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length", None
+        if len(seq.token_ids) >= seq.max_len:
+            return "length", None
+        return None, None

@@ -1,0 +1,95 @@
+"""The paged KV cache: a fixed pool of pages, and the tensors that hold them.
+
+The pool is sized once, from a memory budget, and never re-allocated: sequences borrow pages and
+give every one back on finish, abort or preemption. Pages are reference counted so that a page can
+be shared (by the prefix cache and the sequences that reuse it); a page returns to the free list
+when its last holder lets go.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class OutOfPages(Exception):
+    """The pool cannot satisfy an allocation right now."""
+
+
+class PagePool:
+    """Allocator of page ids ``0 .. num_pages-1`` with reference counts. Pure Python, no tensors."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 1:
+            raise ValueError("the KV cache needs at least one page")
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._refs = [0] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free pages (refcount 1 each), or raise :class:`OutOfPages` taking none."""
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} pages, {len(self._free)} free")
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def retain(self, pages: list[int]) -> None:
+        """Add a holder to pages already in use (sharing)."""
+        for p in pages:
+            if self._refs[p] == 0:
+                raise ValueError(f"page {p} is free; it cannot be shared")
+            self._refs[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        """Drop one holder from each page; pages nobody holds go back to the free list."""
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise ValueError(f"page {p} released more often than it was held")
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+
+class KVCache:
+    """Per-layer key and value tensors, each [num_pages, page_size, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.k: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        self.v: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+
+    @staticmethod
+    def bytes_per_page(
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize

@@ -1,0 +1,69 @@
+"""Turns a schedule into tensors, runs the model, samples."""
+
+from __future__ import annotations
+
+import torch
+
+from trio_infer.engine.forward_batch import ForwardBatch
+from trio_infer.engine.kv_cache import KVCache
+from trio_infer.engine.sampler import SampleResult, sample
+from trio_infer.engine.scheduler import Schedule
+from trio_infer.engine.sequence import Sequence
+from trio_infer.models.base import CausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+
+    def prepare(self, schedule: Schedule) -> ForwardBatch:
+        """Build the step's input tensors from the schedule's snapshot (not from live state)."""
+        page_size = self.kv_cache.page_size
+        input_ids: list[int] = []
+        starts: list[int] = []
+        counts: list[int] = []
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        max_pages = max(len(it.pages) for it in schedule.items)
+        page_table = torch.zeros(len(schedule.items), max_pages, dtype=torch.int64)
+        total = 0
+        for b, it in enumerate(schedule.items):
+            end = it.start + it.num_tokens
+            input_ids.extend(it.seq.token_ids[it.start : end])
+            starts.append(it.start)
+            counts.append(it.num_tokens)
+            seq_lens.append(end)
+            page_table[b, : len(it.pages)] = torch.tensor(it.pages, dtype=torch.int64)
+            total += it.num_tokens
+            if it.samples:
+                logits_indices.append(total - 1)
+
+        counts_t = torch.tensor(counts, dtype=torch.int64)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
+        query_start_loc = torch.zeros(len(counts) + 1, dtype=torch.int64)
+        torch.cumsum(counts_t, 0, out=query_start_loc[1:])
+        positions = torch.arange(total, dtype=torch.int64) - query_start_loc[seq_of_token]
+        positions += torch.tensor(starts, dtype=torch.int64)[seq_of_token]
+        slots = page_table[seq_of_token, positions // page_size] * page_size + positions % page_size
+
+        dev = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev),
+            positions=positions.to(dev),
+            slot_mapping=slots.to(dev),
+            page_table=page_table.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(dev),
+            query_start_loc=query_start_loc.to(dev),
+            num_decodes=schedule.num_decodes,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(dev),
+        )
+
+    def run(self, batch: ForwardBatch, sampling: list[Sequence]) -> SampleResult:
+        """Forward pass and sampling; ``sampling`` lists the sequences in logits-row order."""
+        with torch.inference_mode():  # per thread: the runtime calls this from a worker thread
+            logits = self.model.forward(batch, self.kv_cache.k, self.kv_cache.v)
+            if not sampling:
+                return SampleResult([], [])
+            return sample(logits, sampling)

@@ -1,0 +1,49 @@
+"""Per-request generation parameters, as the engine sees them (the API layer maps OpenAI's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one sequence is sampled and when it stops.
+
+    ``temperature == 0`` means greedy. ``max_tokens=None`` means "until the context is full".
+    ``logprobs=None`` returns no logprobs; ``logprobs=k`` returns the chosen token's logprob and
+    the ``k`` most likely alternatives (k may be 0).
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 disables it)")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("logprobs must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0

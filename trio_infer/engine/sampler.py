@@ -1,0 +1,96 @@
+"""Batched sampling with per-request parameters.
+
+All work is tensor work over the whole batch; Python loops run only over the rows that need
+something special (penalties, a seed), never over the vocabulary.
+
+Sampling draws ``argmax(p / E)`` with ``E ~ Exp(1)`` per vocabulary entry, which picks token ``i``
+with probability ``p_i``. Its appeal here: a seeded request draws its noise from its own
+``torch.Generator``, so its tokens depend only on its seed and its logits, never on which other
+requests share the batch.
+
+Logprobs are those of the model's distribution after penalties, before temperature and
+truncation (what vLLM reports by default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trio_infer.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the most likely alternatives, best first
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    """logits: [N, V] fp32, row i for ``seqs[i]``. May modify ``logits`` in place."""
+    params = [s.params for s in seqs]
+    vocab = logits.shape[-1]
+
+    for i, p in enumerate(params):
+        if p.penalized and seqs[i].num_output_tokens:
+            out = torch.tensor(seqs[i].output_ids, device=logits.device)
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+    lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        tokens[random_rows] = _sample_random(logits[random_rows], [seqs[i] for i in random_rows])
+
+    token_ids = tokens.tolist()
+    out_lps: list[TokenLogprob | None] = [None] * len(seqs)
+    if logprobs is not None:
+        for j, i in enumerate(lp_rows):
+            k = params[i].logprobs or 0
+            top = torch.topk(logprobs[j], k) if k else None
+            out_lps[i] = TokenLogprob(
+                token_id=token_ids[i],
+                logprob=float(logprobs[j, token_ids[i]]),
+                top=tuple(zip(top.indices.tolist(), top.values.tolist())) if top else (),
+            )
+    return SampleResult(token_ids, out_lps)
+
+
+def _sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    params = [s.params for s in seqs]
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temps[:, None]
+
+    truncate = any(p.top_k or p.top_p < 1 or p.min_p for p in params)
+    if truncate:
+        logits, order = logits.sort(dim=-1, descending=True)
+        probs = torch.softmax(logits, dim=-1)
+        vocab = logits.shape[-1]
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        top_k = torch.tensor([p.top_k or vocab for p in params], device=logits.device)
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+        drop = ranks >= top_k[:, None]
+        drop |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]  # keeps at least the best token
+        drop |= probs < min_p[:, None] * probs[:, :1]
+        probs = probs.masked_fill(drop, 0.0)
+    else:
+        probs = torch.softmax(logits, dim=-1)
+
+    noise = torch.empty_like(probs).exponential_()
+    for i, seq in enumerate(seqs):
+        if seq.generator is not None:
+            noise[i].exponential_(generator=seq.generator)
+    choice = (probs / noise).argmax(dim=-1)
+    return order.gather(1, choice[:, None])[:, 0] if truncate else choice

@@ -1,0 +1,156 @@
+"""Continuous batching over the paged KV cache.
+
+Each step the scheduler picks which tokens run, under two caps: ``max_running`` admitted
+sequences and a budget of ``max_batched_tokens`` tokens per step. Running sequences go first,
+oldest first, so decodes never starve behind a long prompt; a prompt longer than what is left of
+the budget is prefilled in chunks over several steps. Waiting sequences are admitted in arrival
+order while the budget, the cap and the free pages allow.
+
+When a running sequence needs a page and the pool is dry, a victim is *preempted*: its pages are
+freed and it goes back to the head of the queue, to be recomputed from its tokens later. Paused
+sequences are picked first (they make no progress anyway), then the youngest running ones, so
+the oldest sequence always progresses. The engine caps the context at the pool's size, so a
+sequence alone can always finish.
+
+A sequence whose ``ready`` flag is False (its reader is behind) is skipped without losing anything:
+it keeps its pages and resumes when the flag comes back.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from trio_infer.engine.kv_cache import OutOfPages, PagePool
+from trio_infer.engine.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first token computed this step (the sequence's num_computed at schedule time)
+    num_tokens: int
+    pages: tuple[int, ...]  # page table snapshot: the step must not see later changes
+    samples: bool  # the chunk reaches the end of the sequence: sample the next token
+
+
+@dataclass(frozen=True)
+class Schedule:
+    items: list[ScheduledSeq]  # one-token items first (the decodes), then the chunks
+    num_decodes: int
+    preempted: list[Sequence]
+
+
+class Scheduler:
+    def __init__(
+        self, pool: PagePool, page_size: int, max_running: int, max_batched_tokens: int
+    ) -> None:
+        if max_batched_tokens < max_running:
+            raise ValueError("max_batched_tokens must be >= max_running (one token per decode)")
+        self.pool = pool
+        self.page_size = page_size
+        self.max_running = max_running
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order, oldest first
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the queues and give back its pages (finish or abort)."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status = Status.FINISHED
+
+    def schedule(self) -> Schedule | None:
+        budget = self.max_batched_tokens
+        items: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+
+        i = 0
+        while i < len(self.running) and budget:
+            seq = self.running[i]
+            if not seq.ready:
+                i += 1
+                continue
+            n = min(seq.num_pending, budget)
+            while not self._reserve(seq, seq.num_computed + n):
+                victim = self._pick_victim(seq)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted itself; running[i] is now the next sequence
+            i = self.running.index(seq) + 1  # victims before seq shift its index
+            items.append(self._item(seq, n))
+            budget -= n
+
+        # Admit new work, unless this step had to preempt (the pool is dry: admitting now would
+        # only thrash).
+        skipped: list[Sequence] = []
+        while self.waiting and budget and len(self.running) < self.max_running and not preempted:
+            seq = self.waiting[0]
+            if not seq.ready:
+                skipped.append(self.waiting.popleft())
+                continue
+            n = min(seq.num_pending, budget)
+            if not self._reserve(seq, n):
+                break  # the pool is dry: new requests wait
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            items.append(self._item(seq, n))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+
+        if not items:
+            return None
+        items.sort(key=lambda it: it.num_tokens != 1)  # stable: decodes first
+        num_decodes = sum(1 for it in items if it.num_tokens == 1)
+        return Schedule(items, num_decodes, preempted)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _item(self, seq: Sequence, n: int) -> ScheduledSeq:
+        return ScheduledSeq(
+            seq=seq,
+            start=seq.num_computed,
+            num_tokens=n,
+            pages=tuple(seq.pages),
+            samples=seq.num_computed + n == len(seq.token_ids),
+        )
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make ``seq`` hold enough pages for ``num_tokens`` tokens; False if the pool is dry."""
+        missing = -(-num_tokens // self.page_size) - len(seq.pages)
+        if missing <= 0:
+            return True
+        try:
+            seq.pages.extend(self.pool.allocate(missing))
+        except OutOfPages:
+            return False
+        return True
+
+    def _pick_victim(self, needy: Sequence) -> Sequence:
+        """Paused sequences first, then the youngest running one (possibly ``needy`` itself)."""
+        for seq in reversed(self.running):
+            if not seq.ready and seq is not needy:
+                return seq
+        return self.running[-1]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.pool.release(seq.pages)
+        seq.pages = []

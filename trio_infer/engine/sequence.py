@@ -1,0 +1,51 @@
+"""One sequence's state inside the engine: tokens, progress and the KV pages it holds."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+
+from trio_infer.engine.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # admitted: holds KV pages
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's sequence. ``token_ids`` is prompt then output, appended to in place.
+
+    ``num_computed`` counts the leading tokens whose keys/values sit in ``pages``. The last sampled
+    token is never computed yet: a sequence in decode has ``num_computed == len(token_ids) - 1``.
+    """
+
+    uid: Hashable
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_len: int  # stop with "length" once the sequence holds this many tokens
+    generator: torch.Generator | None = None  # per-request RNG when the request has a seed
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    pages: list[int] = field(default_factory=list)
+    ready: bool = True  # False: the caller cannot take output now (backpressure); skip it
+    finish_reason: str | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose KV still has to be computed before the next sample."""
+        return len(self.token_ids) - self.num_computed

@@ -1,0 +1,77 @@
+"""A deterministic stand-in for a real model: instant, and its output known in advance.
+
+The next token is a pure function of the sequence so far (:func:`expected_next_token`), so a test
+can compute every request's expected output without running anything. The function is computed
+*from the KV cache*: each step stores per-token values into the pages and reads the sequence's
+whole context back through its page table. A paging bug (a wrong slot, a page freed while in use,
+a page shared by mistake) therefore shows up as a wrong token, not as nothing.
+
+Everything else (scheduler, allocator, runtime, HTTP) runs unchanged on top of it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trio_infer.engine.forward_batch import ForwardBatch
+from trio_infer.models.base import ModelInfo
+
+_MOD = 65521  # prime; per-token terms stay exact in float64 for any realistic context
+
+
+def expected_next_token(token_ids: list[int], vocab_size: int, eos_token_id: int) -> int:
+    """The token the fake model produces after ``token_ids``. Never ``eos_token_id`` unless
+    the hash lands on it, which happens about once per ``vocab_size`` tokens."""
+    acc = sum((t * (i + 1)) % _MOD for i, t in enumerate(token_ids))
+    return (acc * 31 + 7 * len(token_ids)) % vocab_size
+
+
+class FakeModel:
+    """Implements :class:`~trio_infer.models.base.CausalLM` with one KV head of one float64."""
+
+    def __init__(
+        self,
+        vocab_size: int = 512,
+        max_model_len: int = 4096,
+        eos_token_id: int = 0,
+        name: str = "fake",
+    ) -> None:
+        self.info = ModelInfo(
+            name=name,
+            architecture="FakeModel",
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=1,
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            dtype=torch.float64,
+            eos_token_ids=(eos_token_id,),
+        )
+        self.eos_token_id = eos_token_id
+
+    def next_token(self, token_ids: list[int]) -> int:
+        return expected_next_token(token_ids, self.info.vocab_size, self.eos_token_id)
+
+    def forward(
+        self, batch: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
+    ) -> torch.Tensor:
+        k_cache = k_caches[0]
+        page_size = k_cache.shape[1]
+        flat = k_cache.view(-1)
+        terms = (batch.input_ids * (batch.positions + 1)) % _MOD
+        flat.index_copy_(0, batch.slot_mapping, terms.to(torch.float64))
+
+        # Which sequence each logits row belongs to, and that sequence's context length.
+        qsl = batch.query_start_loc
+        seq_of_row = torch.searchsorted(qsl, batch.logits_indices, right=True) - 1
+        lens = batch.seq_lens[seq_of_row]
+        pos = torch.arange(int(lens.max()) if len(lens) else 0)
+        valid = pos[None, :] < lens[:, None]
+        pages = batch.page_table[seq_of_row][:, pos // page_size]
+        slots = pages * page_size + pos % page_size
+        acc = (flat[slots] * valid).sum(dim=1).to(torch.int64)
+        next_ids = (acc * 31 + 7 * lens) % self.info.vocab_size
+
+        logits = torch.zeros(len(next_ids), self.info.vocab_size, dtype=torch.float32)
+        logits[torch.arange(len(next_ids)), next_ids] = 1.0
+        return logits
