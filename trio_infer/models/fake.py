@@ -48,6 +48,7 @@ class FakeModel:
             eos_token_ids=(eos_token_id,),
         )
         self.eos_token_id = eos_token_id
+        self.instant = True  # the runtime may run its steps inline, without a worker thread
 
     def next_token(self, token_ids: list[int]) -> int:
         return expected_next_token(token_ids, self.info.vocab_size, self.eos_token_id)

@@ -1,0 +1,250 @@
+"""The engine actor and sessions: every way a request can end leaves nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from trio_infer.engine.engine import Engine, EngineConfig
+from trio_infer.engine.params import SamplingParams
+from trio_infer.metrics import Metrics
+from trio_infer.models.fake import FakeModel
+from trio_infer.runtime.engine_actor import (
+    AsyncEngine,
+    EngineOverloaded,
+    EngineUnavailable,
+    RequestFailed,
+    RequestStalled,
+    open_engine,
+)
+from trio_infer.settings import Settings
+
+VOCAB = 101
+GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=10)
+
+
+def expected(model: FakeModel, prompt: list[int], n: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(n):
+        out.append(model.next_token(seq))
+        seq.append(out[-1])
+    return out
+
+
+def make(settings: Settings | None = None, num_pages: int = 64, max_running: int = 8) -> Engine:
+    model = FakeModel(vocab_size=VOCAB)
+    return Engine(model, EngineConfig(page_size=4, num_pages=num_pages, max_running=max_running,
+                                      max_batched_tokens=16))
+
+
+def settings(**kw) -> Settings:
+    return Settings(**{"channel_capacity": 4, "stall_timeout_s": 5.0, **kw})
+
+
+def assert_clean(ae: AsyncEngine) -> None:
+    e = ae.engine
+    assert ae.num_sessions == 0 and not ae._by_uid
+    assert e.num_requests == e.num_running == e.num_waiting == e.pool.num_used == 0
+
+
+async def collect(ae: AsyncEngine, prompt: list[int], params: list[SamplingParams]) -> dict:
+    got: dict = {}
+    async with ae.generate(prompt, params) as stream:
+        async for outs in stream:
+            for o in outs:
+                got.setdefault(o.uid[1], []).append(o)
+    return got
+
+
+async def test_concurrent_requests_get_exact_outputs(autojump_clock) -> None:
+    engine = make()
+    model = engine.model
+    prompts = [[i + 1] * (i + 2) for i in range(12)]
+    results: dict = {}
+    async with open_engine(settings(), engine=engine) as ae:
+        async with trio.open_nursery() as n:
+            for i, p in enumerate(prompts):
+                async def one(i=i, p=p):
+                    results[i] = await collect(ae, p, [GREEDY])
+                n.start_soon(one)
+        for i, p in enumerate(prompts):
+            outs = results[i][0]
+            assert [t for o in outs for t in o.token_ids] == expected(model, p, 10)
+            assert outs[-1].finish_reason == "length"
+        assert_clean(ae)
+
+
+async def test_n_choices_share_one_session(autojump_clock) -> None:
+    engine = make()
+    async with open_engine(settings(), engine=engine) as ae:
+        got = await collect(ae, [1, 2, 3], [GREEDY, GREEDY])
+        assert set(got) == {0, 1}
+        assert [t for o in got[0] for t in o.token_ids] == [t for o in got[1] for t in o.token_ids]
+        assert_clean(ae)
+
+
+@pytest.mark.parametrize("after", [0, 1, 3])
+async def test_leaving_early_aborts_and_frees(autojump_clock, after: int) -> None:
+    engine = make()
+    async with open_engine(settings(), engine=engine) as ae:
+        async with ae.generate([5] * 30, [SamplingParams(temperature=0, ignore_eos=True)]) as s:
+            for _ in range(after):
+                await s.__anext__()
+            assert engine.num_requests == 1
+        assert_clean(ae)
+        assert ae.metrics.requests_total.labels(finish_reason="abort")._value.get() == 1
+
+
+async def test_cancel_while_queued_frees_the_slot(autojump_clock) -> None:
+    engine = make(max_running=1)
+    async with open_engine(settings(), engine=engine) as ae:
+        long = SamplingParams(temperature=0, ignore_eos=True, max_tokens=50)
+        async with trio.open_nursery() as n:
+            async def first():
+                await collect(ae, [1], [long])
+            n.start_soon(first)
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.CancelScope() as cs:
+                async with ae.generate([2], [GREEDY]) as stream:
+                    assert engine.num_waiting == 1
+                    cs.cancel()
+                    await stream.__anext__()
+            assert engine.num_waiting == 0
+        assert_clean(ae)
+
+
+async def test_slow_reader_pauses_then_resumes_exactly(autojump_clock) -> None:
+    engine = make()
+    model = engine.model
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=20)
+    async with open_engine(settings(channel_capacity=3, stall_timeout_s=1e9), engine=engine) as ae:
+        async with ae.generate([7, 7], [params]) as stream:
+            await trio.testing.wait_all_tasks_blocked()
+            seq = engine._seqs[(stream.request_id, 0)]
+            # Not read at all: the channel holds 3 outputs and the sequence is paused, pages kept.
+            assert seq.num_output_tokens == 3 and not seq.ready and seq.pages
+            assert ae.metrics.kv_pages_used._value.get() > 0
+            got = []
+            async for outs in stream:
+                got += [t for o in outs for t in o.token_ids]
+                await trio.sleep(1)  # a slow reader
+            assert got == expected(model, [7, 7], 20)
+        assert_clean(ae)
+
+
+async def test_stalled_reader_is_aborted_after_timeout(autojump_clock) -> None:
+    engine = make()
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=50)
+    async with open_engine(settings(channel_capacity=2, stall_timeout_s=5), engine=engine) as ae:
+        async with ae.generate([1], [params]) as stream:
+            t0 = trio.current_time()
+            await trio.sleep(100)  # never reads
+            assert engine.num_requests == 0 and engine.pool.num_used == 0  # aborted, freed
+            got = []
+            with pytest.raises(RequestStalled):
+                async for outs in stream:
+                    got += outs
+            assert len(got) == 2  # the buffered outputs are still delivered first
+        assert_clean(ae)
+        assert ae.metrics.requests_total.labels(finish_reason="abort")._value.get() == 1
+
+
+class Exploding(FakeModel):
+    def __init__(self, bad_token: int, **kw) -> None:
+        super().__init__(**kw)
+        self.bad_token = bad_token
+
+    def forward(self, batch, k, v):
+        if (batch.input_ids == self.bad_token).any():
+            raise RuntimeError("boom")
+        return super().forward(batch, k, v)
+
+
+async def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(autojump_clock) -> None:
+    model = Exploding(bad_token=66, vocab_size=VOCAB)
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=64, max_running=8, max_batched_tokens=16))
+    async with open_engine(settings(), engine=engine) as ae:
+        with pytest.raises(RequestFailed, match="boom"):
+            await collect(ae, [66, 1], [GREEDY])
+        good = await collect(ae, [1, 2], [GREEDY])
+        assert len(good[0]) == 10
+        assert ae.healthy
+        assert_clean(ae)
+        assert ae.metrics.requests_total.labels(finish_reason="error")._value.get() == 1
+
+
+async def test_actor_crash_marks_unhealthy_and_fails_sessions(autojump_clock) -> None:
+    engine = make()
+    async with open_engine(settings(), engine=engine) as ae:
+        def broken():
+            raise RuntimeError("scheduler bug")
+        async with ae.generate([1], [GREEDY]) as stream:
+            engine.schedule = broken
+            with pytest.raises(EngineUnavailable):
+                async for _ in stream:
+                    pass
+        assert not ae.healthy
+        with pytest.raises(EngineUnavailable):
+            async with ae.generate([1], [GREEDY]):
+                pass
+        assert ae.num_sessions == 0
+
+
+async def test_waiting_cap_overload(autojump_clock) -> None:
+    engine = make(max_running=1)
+    async with open_engine(settings(max_waiting=1), engine=engine) as ae:
+        long = SamplingParams(temperature=0, ignore_eos=True, max_tokens=30)
+        async with ae.generate([1], [long]):
+            await trio.testing.wait_all_tasks_blocked()
+            async with ae.generate([2], [long]):  # waits: queue holds 1
+                with pytest.raises(EngineOverloaded):
+                    async with ae.generate([3], [long]):
+                        pass
+        assert_clean(ae)
+
+
+async def test_drain_rejects_new_and_abort_all_ends_live(autojump_clock) -> None:
+    engine = make()
+    async with open_engine(settings(), engine=engine) as ae:
+        async with ae.generate([1], [SamplingParams(temperature=0, ignore_eos=True)]) as stream:
+            ae.begin_drain()
+            with pytest.raises(EngineUnavailable, match="shutting down"):
+                async with ae.generate([1], [GREEDY]):
+                    pass
+            ae.abort_all(EngineUnavailable("the server is shutting down"))
+            with pytest.raises(EngineUnavailable):
+                async for _ in stream:
+                    pass
+        assert_clean(ae)
+
+
+async def test_shutdown_cancels_actor_and_fails_sessions(autojump_clock) -> None:
+    engine = make()
+    errors = []
+    async with trio.open_nursery() as outer:
+        async with open_engine(settings(), engine=engine) as ae:
+            async def reader(task_status=trio.TASK_STATUS_IGNORED):
+                try:
+                    async with ae.generate([1], [SamplingParams(temperature=0, ignore_eos=True)]) as s:
+                        task_status.started()
+                        async for _ in s:
+                            await trio.sleep(1)
+                except EngineUnavailable as exc:
+                    errors.append(exc)
+            await outer.start(reader)
+        # open_engine exited: actor cancelled, the live session got an error
+    assert len(errors) == 1
+    assert_clean(ae)
+
+
+async def test_health_of_event_loop_while_thread_steps(autojump_clock) -> None:
+    """A model step in a worker thread does not block other trio tasks."""
+    engine = make()
+    ae_settings = settings()
+    async with trio.open_nursery() as n:
+        ae = AsyncEngine(engine, ae_settings, Metrics(), execute_in_thread=True)
+        await n.start(ae.run)
+        got = await collect(ae, [1, 2], [GREEDY])
+        assert len(got[0]) == 10
+        n.cancel_scope.cancel()

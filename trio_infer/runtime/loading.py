@@ -1,0 +1,73 @@
+"""Turn :class:`~trio_infer.settings.Settings` into a ready engine and its tokenizer."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from trio_infer.engine.engine import Engine, EngineConfig
+from trio_infer.settings import Settings
+
+FAKE_MODEL = "fake"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def configure_torch_threads(settings: Settings) -> int:
+    """Pick torch's intra-op thread count deliberately: the event loop needs a core slice too
+    (see docs/architecture.md). 0 means all cores but one."""
+    n = settings.torch_threads or max(1, (os.cpu_count() or 2) - 1)
+    torch.set_num_threads(n)
+    return n
+
+
+def resolve_device(settings: Settings) -> str:
+    if settings.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return settings.device
+
+
+def build_engine(settings: Settings) -> tuple[Engine, Any]:
+    """Load the model and tokenizer named by the settings (slow: run it off the event loop)."""
+    configure_torch_threads(settings)
+    device = resolve_device(settings)
+    config = EngineConfig(
+        page_size=settings.page_size,
+        kv_cache_bytes=settings.kv_cache_mb * 2**20,
+        max_running=settings.max_running,
+        max_batched_tokens=settings.max_batched_tokens,
+    )
+    if settings.model == FAKE_MODEL:
+        from trio_infer.models.fake import FakeModel
+        from trio_infer.models.synthetic import build_tokenizer
+
+        tok_dir = settings.cache_dir / "fake-tokenizer"
+        if not (tok_dir / "tokenizer.json").exists():
+            build_tokenizer(tok_dir)
+        from trio_infer.models.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(tok_dir)
+        model = FakeModel(
+            vocab_size=len(tokenizer),
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            name=settings.served_model_name or FAKE_MODEL,
+        )
+        return Engine(model, config, device="cpu"), tokenizer
+
+    from trio_infer.models.embedded import DEFAULT_MODEL_NAME
+    from trio_infer.models.loader import load_model, load_tokenizer, resolve_model_path
+
+    path = resolve_model_path(settings.model, settings.cache_dir)
+    served = settings.served_model_name
+    if served is None:
+        if settings.model is None:
+            served = DEFAULT_MODEL_NAME
+        elif os.path.isdir(settings.model):
+            served = os.path.basename(os.path.normpath(settings.model))
+        else:
+            served = settings.model  # a hub id
+    dtype = None if settings.dtype == "auto" else _DTYPES[settings.dtype]
+    model = load_model(path, dtype=dtype, device=device, served_name=served)
+    return Engine(model, config, device=device), load_tokenizer(path)

@@ -1,0 +1,60 @@
+"""All configuration, from ``TRIO_INFER_*`` environment variables or CLI flags (same names)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TRIO_INFER_", extra="forbid")
+
+    # -- model --------------------------------------------------------------------------------
+    model: str | None = Field(
+        None,
+        description="Model folder, a hub id in the local Hugging Face cache, or 'fake'. "
+        "Unset: the embedded tiny model (random weights, produces noise).",
+    )
+    served_model_name: str | None = Field(None, description="Model id for the API.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = Field("auto", description="'auto' (cuda if available), 'cpu' or 'cuda'.")
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "trio-infer", description="Where the embedded model is built."
+    )
+
+    # -- engine -------------------------------------------------------------------------------
+    page_size: int = Field(16, ge=1)
+    kv_cache_mb: int = Field(256, ge=1, description="Memory budget for the KV page pool.")
+    max_running: int = Field(32, ge=1, description="Sequences decoded together at most.")
+    max_batched_tokens: int = Field(256, ge=1, description="Tokens per step (chunked prefill).")
+    max_waiting: int = Field(256, ge=0, description="Queued requests before new ones get 503.")
+    torch_threads: int = Field(
+        0, ge=0, description="torch intra-op threads; 0 = leave one core to the event loop."
+    )
+
+    # -- requests -----------------------------------------------------------------------------
+    channel_capacity: int = Field(
+        64, ge=1, description="Outputs buffered per request before its sequence pauses."
+    )
+    stall_timeout_s: float = Field(
+        30.0, gt=0, description="A paused request whose reader does not catch up is aborted."
+    )
+    max_n: int = Field(8, ge=1, description="Largest accepted 'n'.")
+    max_body_bytes: int = Field(4 * 2**20, ge=1024)
+    api_key: str | None = None
+
+    # -- server -------------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = 8000
+    shutdown_grace_s: float = Field(
+        5.0, ge=0, description="On SIGTERM, how long running requests may still finish."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "Settings":
+        if self.max_batched_tokens < self.max_running:
+            raise ValueError("max_batched_tokens must be >= max_running")
+        return self
