@@ -33,7 +33,8 @@ def drain(engine: Engine) -> dict:
 
 
 def assert_clean(engine: Engine) -> None:
-    assert engine.pool.num_used == 0
+    assert engine.num_request_pages == 0
+    assert engine.pool.num_used == engine.num_cached_pages
     assert engine.num_running == engine.num_waiting == engine.num_requests == 0
 
 
@@ -169,9 +170,15 @@ ops = st.lists(
     page_size=st.sampled_from([1, 2, 4, 8]),
     max_running=st.integers(1, 6),
     extra_budget=st.integers(0, 20),
+    prefix_cache=st.booleans(),
 )
 def test_any_interleaving_is_exact_and_leak_free(
-    ops: list, num_pages: int, page_size: int, max_running: int, extra_budget: int
+    ops: list,
+    num_pages: int,
+    page_size: int,
+    max_running: int,
+    extra_budget: int,
+    prefix_cache: bool,
 ) -> None:
     model = FakeModel(vocab_size=VOCAB)
     config = EngineConfig(
@@ -179,6 +186,7 @@ def test_any_interleaving_is_exact_and_leak_free(
         num_pages=num_pages,
         max_running=max_running,
         max_batched_tokens=max_running + extra_budget,
+        enable_prefix_cache=prefix_cache,
     )
     engine = Engine(model, config)
     prompts: dict[int, list[int]] = {}
@@ -198,7 +206,9 @@ def test_any_interleaving_is_exact_and_leak_free(
         if op[0] == "add":
             uid = len(prompts)
             plen = min(op[1], engine.max_model_len - 1)
-            prompts[uid] = [(uid * 13 + j * 7) % (VOCAB - 1) + 1 for j in range(plen)]
+            # Three prompt families: requests share prefixes, so the prefix cache gets hits.
+            family = uid % 3
+            prompts[uid] = [(family * 13 + j * 7) % (VOCAB - 1) + 1 for j in range(plen)]
             max_tokens[uid] = op[2]
             got[uid] = []
             engine.add_request(
@@ -227,3 +237,71 @@ def test_any_interleaving_is_exact_and_leak_free(
         limit = min(max_tokens[uid], engine.max_model_len - len(prompt))
         assert got[uid] == expected(model, prompt, limit)
         assert finished[uid] == "length"
+
+
+# -- prefix cache ---------------------------------------------------------------------------------
+
+
+def run_all(engine: Engine, prompts: dict, max_tokens: int = 6) -> dict:
+    for uid, p in prompts.items():
+        engine.add_request(
+            uid, p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        )
+    return {uid: [t for o in outs for t in o.token_ids] for uid, outs in drain(engine).items()}
+
+
+def test_prefix_cache_hits_and_outputs_match_uncached() -> None:
+    model = FakeModel(vocab_size=VOCAB)
+    system = list(range(1, 21))  # 20 shared tokens = 5 full pages of 4
+    prompts = {i: system + [30 + i, 40 + i] for i in range(4)}
+    cached = Engine(model, EngineConfig(page_size=4, num_pages=64))
+    plain = Engine(model, EngineConfig(page_size=4, num_pages=64, enable_prefix_cache=False))
+    first = run_all(cached, {0: prompts[0]})
+    rest = run_all(cached, {i: prompts[i] for i in (1, 2, 3)})
+    assert cached.scheduler.prefix_hits == 3 * 20
+    assert {**first, **rest} == run_all(plain, prompts)
+    assert plain.scheduler.prefix_hits == 0 and plain.num_cached_pages == 0
+    assert_clean(cached)
+    assert cached.num_cached_pages > 0
+
+
+def test_prefix_cache_never_matches_the_last_prompt_token() -> None:
+    model = FakeModel(vocab_size=VOCAB)
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=64))
+    prompt = list(range(1, 9))  # exactly two pages
+    a = run_all(engine, {"a": prompt})
+    b = run_all(engine, {"b": prompt})
+    assert a["a"] == b["b"] == expected(model, prompt, 6)
+    assert engine.scheduler.prefix_hits == 4  # one page: the last token must be computed
+
+
+def test_eviction_under_a_tiny_pool_keeps_outputs_exact() -> None:
+    model = FakeModel(vocab_size=VOCAB)
+    engine = Engine(model, EngineConfig(page_size=2, num_pages=12, max_running=2, max_batched_tokens=4))
+    prompts = {i: [(i * 11 + j) % 90 + 1 for j in range(9)] for i in range(10)}
+    got = run_all(engine, prompts, max_tokens=8)
+    for uid, p in prompts.items():
+        assert got[uid] == expected(model, p, 8)
+    assert_clean(engine)
+    assert engine.pool.num_used <= 12
+
+
+def test_abort_after_a_cache_hit_accounts_pages_exactly() -> None:
+    model = FakeModel(vocab_size=VOCAB)
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=32))
+    shared = list(range(1, 13))
+    run_all(engine, {"warm": shared + [50]})
+    cached_before = engine.num_cached_pages
+    engine.add_request("hit", shared + [60, 61], SamplingParams(temperature=0, ignore_eos=True))
+    engine.step()
+    seq = engine._seqs["hit"]
+    assert seq.pages[:3] == [engine.prefix_cache.match(shared, 3)[i].page for i in range(3)]
+    shared_pages = seq.pages[:3]
+    assert all(engine.pool.refcount(p) == 2 for p in shared_pages)
+    assert engine.abort("hit")
+    assert all(engine.pool.refcount(p) == 1 for p in shared_pages)
+    assert_clean(engine)
+    assert engine.num_cached_pages >= cached_before
+    # Every cached page is now held by the cache alone, and can all be evicted.
+    engine.prefix_cache.clear()
+    assert engine.pool.num_used == 0

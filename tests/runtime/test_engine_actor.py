@@ -45,7 +45,7 @@ def settings(**kw) -> Settings:
 def assert_clean(ae: AsyncEngine) -> None:
     e = ae.engine
     assert ae.num_sessions == 0 and not ae._by_uid
-    assert e.num_requests == e.num_running == e.num_waiting == e.pool.num_used == 0
+    assert e.num_requests == e.num_running == e.num_waiting == e.num_request_pages == 0
 
 
 async def collect(ae: AsyncEngine, prompt: list[int], params: list[SamplingParams]) -> dict:
@@ -248,3 +248,16 @@ async def test_health_of_event_loop_while_thread_steps(autojump_clock) -> None:
         got = await collect(ae, [1, 2], [GREEDY])
         assert len(got[0]) == 10
         n.cancel_scope.cancel()
+
+
+async def test_prefix_cache_metrics(autojump_clock) -> None:
+    engine = make()
+    async with open_engine(settings(), engine=engine) as ae:
+        shared = list(range(1, 17))  # four pages of 4
+        await collect(ae, shared + [20], [GREEDY])
+        await collect(ae, shared + [30], [GREEDY])
+        m = ae.metrics
+        assert m.prefix_cache_queries_total._value.get() == 34
+        assert m.prefix_cache_hits_total._value.get() == 16
+        assert m.kv_pages_cached._value.get() == engine.num_cached_pages > 0
+        assert_clean(ae)

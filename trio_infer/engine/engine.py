@@ -24,6 +24,7 @@ from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.kv_cache import KVCache, PagePool
 from trio_infer.engine.model_runner import ModelRunner
 from trio_infer.engine.params import SamplingParams
+from trio_infer.engine.prefix_cache import PrefixCache
 from trio_infer.engine.sampler import SampleResult, TokenLogprob
 from trio_infer.engine.scheduler import Schedule, Scheduler
 from trio_infer.engine.sequence import Sequence, Status
@@ -37,6 +38,7 @@ class EngineConfig:
     kv_cache_bytes: int = 256 * 2**20
     max_running: int = 64
     max_batched_tokens: int = 512
+    enable_prefix_cache: bool = True
 
 
 @dataclass(frozen=True)
@@ -87,8 +89,15 @@ class Engine:
         # A sequence alone must always fit in the pool, so preemption can always make progress.
         self.max_model_len = min(info.max_model_len, num_pages * config.page_size)
         self.eos_token_ids = frozenset(info.eos_token_ids)
+        self.prefix_cache = (
+            PrefixCache(self.pool, config.page_size) if config.enable_prefix_cache else None
+        )
         self.scheduler = Scheduler(
-            self.pool, config.page_size, config.max_running, config.max_batched_tokens
+            self.pool,
+            config.page_size,
+            config.max_running,
+            config.max_batched_tokens,
+            self.prefix_cache,
         )
         self.runner = ModelRunner(model, self.kv_cache, self.device)
         self._seqs: dict[Hashable, Sequence] = {}
@@ -161,6 +170,7 @@ class Engine:
             if seq.status is not Status.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed = it.start + it.num_tokens
+            self.scheduler.record_computed(seq)
             if not it.samples:
                 continue
             seq.token_ids.append(token)
@@ -211,6 +221,21 @@ class Engine:
     @property
     def num_requests(self) -> int:
         return len(self._seqs)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages the prefix cache holds (some may also be in use by running requests)."""
+        return self.prefix_cache.num_pages if self.prefix_cache else 0
+
+    @property
+    def num_request_pages(self) -> int:
+        """Pages in use by requests and not merely kept by the prefix cache: 0 when idle."""
+        cache_only = 0
+        if self.prefix_cache:
+            cache_only = sum(
+                1 for n in self.prefix_cache._lru.values() if self.pool.refcount(n.page) == 1
+            )
+        return self.pool.num_used - cache_only
 
     def _stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         p = seq.params

@@ -14,6 +14,10 @@ sequence alone can always finish.
 
 A sequence whose ``ready`` flag is False (its reader is behind) is skipped without losing anything:
 it keeps its pages and resumes when the flag comes back.
+
+With a :class:`~trio_infer.engine.prefix_cache.PrefixCache`, an admitted sequence starts from the
+longest cached prefix of its tokens, every full page a step computes is recorded for later
+requests, and the pool makes room by evicting cache-only pages before anything is preempted.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from trio_infer.engine.kv_cache import OutOfPages, PagePool
+from trio_infer.engine.prefix_cache import ROOT, PrefixCache
 from trio_infer.engine.sequence import Sequence, Status
 
 
@@ -43,7 +48,12 @@ class Schedule:
 
 class Scheduler:
     def __init__(
-        self, pool: PagePool, page_size: int, max_running: int, max_batched_tokens: int
+        self,
+        pool: PagePool,
+        page_size: int,
+        max_running: int,
+        max_batched_tokens: int,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if max_batched_tokens < max_running:
             raise ValueError("max_batched_tokens must be >= max_running (one token per decode)")
@@ -53,6 +63,9 @@ class Scheduler:
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
+        self.prefix_cache = prefix_cache
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which served from it
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -99,8 +112,11 @@ class Scheduler:
             if not seq.ready:
                 skipped.append(self.waiting.popleft())
                 continue
+            self._attach_cached_prefix(seq)
             n = min(seq.num_pending, budget)
-            if not self._reserve(seq, n):
+            if not self._reserve(seq, seq.num_computed + n):
+                self._free(seq)
+                seq.num_computed = 0
                 break  # the pool is dry: new requests wait
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -115,7 +131,32 @@ class Scheduler:
         num_decodes = sum(1 for it in items if it.num_tokens == 1)
         return Schedule(items, num_decodes, preempted)
 
+    def record_computed(self, seq: Sequence) -> None:
+        """Offer the full pages ``seq`` has computed to the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        ps = self.page_size
+        while len(seq.cache_nodes) < seq.num_computed // ps:
+            i = len(seq.cache_nodes)
+            parent = seq.cache_nodes[-1] if seq.cache_nodes else ROOT
+            tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
+            seq.cache_nodes.append(self.prefix_cache.insert(parent, tokens, seq.pages[i]))
+
     # -- helpers ------------------------------------------------------------------------------
+
+    def _attach_cached_prefix(self, seq: Sequence) -> None:
+        if self.prefix_cache is None or seq.num_computed:
+            return
+        # At least the last token must be computed: its logits give the next token.
+        max_pages = (len(seq.token_ids) - 1) // self.page_size
+        nodes = self.prefix_cache.match(seq.token_ids, max_pages)
+        self.prefix_queries += len(seq.token_ids)
+        self.prefix_hits += len(nodes) * self.page_size
+        if nodes:
+            seq.pages = [node.page for node in nodes]
+            self.pool.retain(seq.pages)
+            seq.cache_nodes = [node.id for node in nodes]
+            seq.num_computed = len(nodes) * self.page_size
 
     def _item(self, seq: Sequence, n: int) -> ScheduledSeq:
         return ScheduledSeq(
@@ -131,6 +172,8 @@ class Scheduler:
         missing = -(-num_tokens // self.page_size) - len(seq.pages)
         if missing <= 0:
             return True
+        if missing > self.pool.num_free and self.prefix_cache is not None:
+            self.prefix_cache.evict(missing - self.pool.num_free)
         try:
             seq.pages.extend(self.pool.allocate(missing))
         except OutOfPages:
@@ -154,3 +197,4 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         self.pool.release(seq.pages)
         seq.pages = []
+        seq.cache_nodes = []

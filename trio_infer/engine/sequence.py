@@ -34,6 +34,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed: int = 0
     pages: list[int] = field(default_factory=list)
+    cache_nodes: list[int] = field(default_factory=list)  # prefix-cache node per full page
     ready: bool = True  # False: the caller cannot take output now (backpressure); skip it
     finish_reason: str | None = None
 

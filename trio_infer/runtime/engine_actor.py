@@ -130,6 +130,7 @@ class AsyncEngine:
         self._by_uid: dict[tuple[int, int], _Session] = {}
         self._ids = itertools.count(1)
         self._wakeup = trio.Event()
+        self._prefix_seen = (0, 0)  # scheduler counters already exported
         self.metrics.kv_pages_total.set(engine.pool.num_pages)
 
     @property
@@ -324,6 +325,11 @@ class AsyncEngine:
         m.requests_running.set(e.num_running)
         m.requests_waiting.set(e.num_waiting)
         m.kv_pages_used.set(e.pool.num_used)
+        m.kv_pages_cached.set(e.num_cached_pages)
+        queries, hits = e.scheduler.prefix_queries, e.scheduler.prefix_hits
+        m.prefix_cache_queries_total.inc(queries - self._prefix_seen[0])
+        m.prefix_cache_hits_total.inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queries, hits)
 
 
 def is_instant(engine: Engine) -> bool:
