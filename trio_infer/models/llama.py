@@ -1,0 +1,415 @@
+"""Llama, Qwen2 and Qwen3 as one model, written over a flat token axis and the paged KV cache.
+
+The three families differ in three details only, so one implementation covers them:
+
+- Qwen2 adds a bias to the q/k/v projections (Llama may too, with ``attention_bias``).
+- Qwen3 normalizes each query and key head (RMSNorm over ``head_dim``) before the rotary embedding.
+- Llama 3.x rescales the rotary frequencies (``rope_type: llama3``).
+
+Every tensor is ``[T, ...]``: the tokens of all sequences of a step packed along one axis, as
+:class:`~trio_infer.engine.forward_batch.ForwardBatch` lays them out. There is no batch dimension
+and no padding; attention is the only place that knows about sequences, through
+:func:`~trio_infer.models.attention.paged_attention`.
+
+The q/k/v projections are fused into one weight and gate/up into another when the checkpoint is
+loaded (two GEMMs fewer per layer). A fused :class:`Linear` remembers the sizes of its parts, so a
+later column-parallel split can cut each part separately instead of the concatenation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import ops
+from trio_infer.engine.forward_batch import ForwardBatch
+from trio_infer.models.attention import paged_attention
+from trio_infer.models.base import ModelInfo
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+# Rotary variants whose frequencies do not depend on the sequence length, so one cos/sin table
+# computed at load time is exact. "dynamic" and "longrope" change with the context length.
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+# Checkpoint projection -> (fused parameter, index of its part in the fused output).
+_FUSED_PARTS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """The shape facts of a checkpoint, read once from its Hugging Face config.
+
+    Kept separate from the config object so the modules below depend on a handful of named fields
+    rather than on whichever attribute names a transformers version happens to use.
+    """
+
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_config(cls, config: Any, architecture: str) -> LlamaSpec:
+        """Read the fields this model needs; reject what it would silently get wrong."""
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+        hidden = int(config.hidden_size)
+        heads = int(config.num_attention_heads)
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        return cls(
+            architecture=architecture,
+            hidden_size=hidden,
+            num_layers=int(config.num_hidden_layers),
+            num_heads=heads,
+            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(config, "head_dim", None) or hidden // heads),
+            intermediate_size=int(config.intermediate_size),
+            vocab_size=int(config.vocab_size),
+            max_position_embeddings=int(config.max_position_embeddings),
+            rms_norm_eps=float(config.rms_norm_eps),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and never an o_proj bias; Llama and Qwen3 follow
+            # ``attention_bias`` for all four projections.
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+        )
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The rotary settings as one dict with ``rope_type`` and ``rope_theta``.
+
+    transformers 5 keeps them in ``config.rope_parameters``; 4.x in ``rope_scaling`` (which may be
+    None, or use the old key ``type``) plus a separate ``rope_theta``. Accept both.
+    """
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+def build_cos_sin_cache(
+    config: Any, head_dim: int, max_positions: int, device: torch.device
+) -> torch.Tensor:
+    """``cat(cos, sin)`` for positions ``0 .. max_positions-1``: [max_positions, head_dim], fp32.
+
+    Default frequencies are computed here; scaled variants (linear, llama3, yarn) come from
+    transformers' own rope init functions, so they match the oracle by construction. The table
+    stays fp32 whatever the model dtype: it is small, and the rotary op computes in fp32 anyway.
+    """
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        theta = float(params["rope_theta"])
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (theta**exponents)
+        attention_factor = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    if inv_freq.shape[0] * 2 != head_dim:
+        raise ValueError("partial rotary embeddings are not supported")
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq.float())  # [P, D/2]
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
+    return cache.to(device)
+
+
+def _param(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """An uninitialised, frozen parameter: every value is overwritten by the checkpoint."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T + b`` with plain weights, possibly the concatenation of several projections.
+
+    ``output_sizes`` lists the parts of a fused weight (e.g. q, k, v); :meth:`load_part` writes one
+    of them. Nothing else is assumed, so a tensor-parallel version only has to slice rows (column
+    parallel) or columns (row parallel) of each part and add a collective after ``forward``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = tuple(output_sizes)
+        out_features = sum(self.output_sizes)
+        self.weight = _param((out_features, in_features), dtype, device)
+        self.bias = _param((out_features,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_part(self, attr: str, part: int, tensor: torch.Tensor) -> None:
+        """Copy one projection of a fused weight (or bias) into its rows."""
+        target: torch.Tensor = getattr(self, attr)
+        start = sum(self.output_sizes[:part])
+        rows = target.narrow(0, start, self.output_sizes[part])
+        if tuple(rows.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{attr} part {part}: checkpoint shape {tuple(tensor.shape)}, "
+                f"expected {tuple(rows.shape)}"
+            )
+        rows.copy_(tensor)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm through the kernel dispatcher (fused with the residual add when one is given)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((size,), dtype, device)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        q_size = spec.num_heads * spec.head_dim
+        kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = Linear(
+            spec.hidden_size, (q_size, kv_size, kv_size), spec.qkv_bias, dtype, device
+        )
+        self.o_proj = Linear(q_size, (spec.hidden_size,), spec.o_bias, dtype, device)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Per-head norm: rows of head_dim, so the same 2-D kernel as every other norm applies.
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0]
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0]
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = ops.rotary_embedding(q, k, batch.positions, cos_sin_cache)
+        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        size = spec.intermediate_size
+        self.gate_up_proj = Linear(spec.hidden_size, (size, size), spec.mlp_bias, dtype, device)
+        self.down_proj = Linear(size, (spec.hidden_size,), spec.mlp_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, dtype, device)
+        self.mlp = MLP(spec, dtype, device)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(hidden, residual)`` with the residual add left undone.
+
+        Each norm adds the pending residual in the same kernel that normalizes (the fused form of
+        :func:`kernels.ops.rms_norm`), which saves one read and write of the hidden state per norm.
+        """
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)[0]
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, batch, k_cache, v_cache, cos_sin_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack; parameter names match the Hugging Face ``model.*`` prefix."""
+
+    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param((spec.vocab_size, spec.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, dtype, device) for _ in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Implements :class:`~trio_infer.models.base.CausalLM` for Llama, Qwen2 and Qwen3.
+
+    Build it with :func:`trio_infer.models.loader.load_model`; the constructor only allocates
+    (uninitialised) parameters, :meth:`load_weights` fills them.
+    """
+
+    def __init__(
+        self,
+        spec: LlamaSpec,
+        info: ModelInfo,
+        cos_sin_cache: torch.Tensor,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.info = info
+        dtype = info.dtype
+        self.model = LlamaModel(spec, dtype, device)
+        self.lm_head = nn.Module()
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head.weight = _param((spec.vocab_size, spec.hidden_size), dtype, device)
+        self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: ForwardBatch,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Run the step's tokens; return fp32 logits [len(batch.logits_indices), vocab].
+
+        The final norm and the lm_head run only on ``batch.logits_indices``: a prefill of a few
+        thousand tokens needs one row of logits, not a [T, vocab] matrix.
+        """
+        hidden = F.embedding(batch.input_ids, self.model.embed_tokens.weight)
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.model.layers):
+            hidden, residual = layer(
+                hidden, residual, batch, k_caches[i], v_caches[i], self.cos_sin_cache
+            )
+        rows = batch.logits_indices
+        hidden = hidden[rows]
+        hidden = self.model.norm(hidden, residual[rows] if residual is not None else None)[0]
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters, fusing as it goes.
+
+        Raises ``ValueError`` on a tensor the model has no place for, a shape mismatch, or a
+        parameter the checkpoint never provided: a half-loaded model would run and emit garbage.
+        """
+        params = dict(self.named_parameters())
+        expected = set(params)
+        for name, parts in self._fused_parts().items():
+            expected.discard(name)
+            expected |= {f"{name}#{part}" for part in range(parts)}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # recomputed from the config; some old checkpoints store it
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            module_name, _, attr = name.rpartition(".")
+            parent, _, proj = module_name.rpartition(".")
+            if proj in _FUSED_PARTS:
+                fused, part = _FUSED_PARTS[proj]
+                fused_name = f"{parent}.{fused}"
+                if f"{fused_name}.{attr}" not in params:
+                    raise ValueError(f"unexpected checkpoint tensor {name!r}")
+                module = self.get_submodule(fused_name)
+                assert isinstance(module, Linear)
+                module.load_part(attr, part, tensor)
+                loaded.add(f"{fused_name}.{attr}#{part}")
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"unexpected checkpoint tensor {name!r}")
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                )
+            param.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors: {shown}")
+
+    def _fused_parts(self) -> dict[str, int]:
+        """Fused parameter name -> number of checkpoint tensors that fill it."""
+        out: dict[str, int] = {}
+        for module_name, module in self.named_modules():
+            if isinstance(module, Linear) and len(module.output_sizes) > 1:
+                out[f"{module_name}.weight"] = len(module.output_sizes)
+                if module.bias is not None:
+                    out[f"{module_name}.bias"] = len(module.output_sizes)
+        return out

@@ -1,0 +1,181 @@
+"""From a model name or folder to a ready :class:`~trio_infer.models.base.CausalLM`.
+
+A checkpoint is an ordinary Hugging Face folder: ``config.json`` (parsed by transformers, whose
+job that is), one or several ``*.safetensors`` files (read directly, tensor by tensor, so peak
+memory is one tensor above the model), optional ``generation_config.json`` and tokenizer files.
+Nothing here downloads: a hub id must already be in the local Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from trio_infer.models.base import CausalLM, ModelInfo
+from trio_infer.models.embedded import DEFAULT_MODEL_NAME, SERVED_NAME_FILE, ensure_default_model
+from trio_infer.models.llama import (
+    SUPPORTED_ARCHITECTURES,
+    LlamaForCausalLM,
+    LlamaSpec,
+    build_cos_sin_cache,
+)
+
+
+def resolve_model_path(name_or_path: str | None, cache_dir: Path) -> Path:
+    """Turn the ``--model`` setting into a checkpoint folder.
+
+    ``None`` (or the default model's served name) -> the embedded default model, built into
+    ``cache_dir`` on first use; an existing folder -> itself; anything else is taken as a hub id
+    and looked up in the local Hugging Face cache only.
+    """
+    if name_or_path is None:
+        return ensure_default_model(cache_dir)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if name_or_path == DEFAULT_MODEL_NAME:
+        return ensure_default_model(cache_dir)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name_or_path, local_files_only=True))
+    except Exception as exc:  # not cached, or not even a valid repo id
+        raise FileNotFoundError(
+            f"model {name_or_path!r} is neither a folder nor a hub id in the local Hugging Face "
+            f"cache. This server never downloads: fetch it first (e.g. `hf download "
+            f"{name_or_path}`) or pass the path of a checkpoint folder."
+        ) from exc
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's own tokenizer (and chat template), as transformers loads it."""
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    served_name: str | None = None,
+) -> CausalLM:
+    """Build the model of the checkpoint at ``path`` on ``device`` and load its weights.
+
+    ``dtype`` defaults to :func:`default_dtype`. The served name is ``served_name``, else the
+    folder's ``served_name`` file, else the hub id for a folder inside the Hugging Face cache, else
+    the folder name (see :func:`default_served_name`).
+    """
+    path = Path(path)
+    device = torch.device(device)
+    if dtype is None:
+        dtype = default_dtype(device)
+    architecture = _architecture(path)
+    config = AutoConfig.from_pretrained(str(path))
+    spec = LlamaSpec.from_config(config, architecture)
+    info = ModelInfo(
+        name=served_name or default_served_name(path),
+        architecture=architecture,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        vocab_size=spec.vocab_size,
+        max_model_len=spec.max_position_embeddings,
+        dtype=dtype,
+        eos_token_ids=eos_token_ids(path, config),
+    )
+    cos_sin_cache = build_cos_sin_cache(
+        config, spec.head_dim, spec.max_position_embeddings, device
+    )
+    model = LlamaForCausalLM(spec, info, cos_sin_cache, device)
+    model.load_weights(_iter_safetensors(path, desc=f"Loading {info.name}"))
+    return model.eval()
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """bf16 on CUDA; fp32 elsewhere, where bf16 matmuls are slow and fp32 keeps the CPU path an
+    exact match for the transformers oracle."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def default_served_name(path: Path) -> str:
+    """The id a checkpoint is served under when the user names none (see :func:`load_model`)."""
+    marker = path / SERVED_NAME_FILE
+    if marker.is_file():
+        name = marker.read_text().strip()
+        if name:
+            return name
+    # Hugging Face cache layout: .../models--{org}--{name}/snapshots/{revision}
+    resolved = path.resolve()
+    if resolved.parent.name == "snapshots" and resolved.parent.parent.name.startswith("models--"):
+        return resolved.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return resolved.name
+
+
+def eos_token_ids(path: Path, config: object) -> tuple[int, ...]:
+    """End-of-sequence ids: ``generation_config.json`` wins (it may list several, e.g. Qwen's
+    ``<|im_end|>`` and ``<|endoftext|>``), else the model config's ``eos_token_id``."""
+    value: object = None
+    generation_config = path / "generation_config.json"
+    if generation_config.is_file():
+        value = json.loads(generation_config.read_text()).get("eos_token_id")
+    if value is None:
+        value = getattr(config, "eos_token_id", None)
+    if value is None:
+        return ()
+    ids = [value] if isinstance(value, int) else list(value)
+    return tuple(dict.fromkeys(int(i) for i in ids))  # de-duplicated, order kept
+
+
+def _architecture(path: Path) -> str:
+    """The checkpoint's architecture, checked before transformers parses the rest of the config,
+    so an unsupported model fails with our list of supported ones rather than somewhere deeper."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face checkpoint?")
+    architectures = json.loads(config_file.read_text()).get("architectures") or []
+    for architecture in architectures:
+        if architecture in SUPPORTED_ARCHITECTURES:
+            return architecture
+    raise ValueError(
+        f"unsupported architecture {', '.join(architectures) or '(none given)'} in {config_file}; "
+        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    """The weight files: those the shard index names, else ``model.safetensors``, else any."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def _iter_safetensors(path: Path, desc: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of every shard, with a progress bar over tensors.
+
+    Tensors are read one at a time on the CPU; the model copies each into its (device, dtype)
+    parameter, so a shard is never fully materialised twice.
+    """
+    files = _safetensors_files(path)
+    counts = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            counts.append(len(list(f.keys())))
+    with tqdm(total=sum(counts), desc=desc, unit="tensor") as progress:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    progress.update(1)
