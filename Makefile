@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# OMP_WAIT_POLICY must be in the environment before torch loads (see docs/architecture.md).
 serve: venv
-	$(VENV)/bin/hypercorn trio_infer.app:app --worker-class trio --bind 127.0.0.1:8000
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/hypercorn trio_infer.app:app --worker-class trio --bind 127.0.0.1:8000
 
 test: venv
 	$(PY) -m pytest -q
