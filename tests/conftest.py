@@ -12,8 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from trio_infer.models.synthetic import SHAPES, build_random_checkpoint
+
+# One intra-op thread: test shapes are tiny, and with two spinning OpenMP threads on a 2-core
+# machine a step collapses from milliseconds to a second whenever anything else wants a core.
+torch.set_num_threads(1)
 
 CheckpointFactory = Callable[..., Path]
 

@@ -56,18 +56,9 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
         )
         return Engine(model, config, device="cpu"), tokenizer
 
-    from trio_infer.models.embedded import DEFAULT_MODEL_NAME
     from trio_infer.models.loader import load_model, load_tokenizer, resolve_model_path
 
     path = resolve_model_path(settings.model, settings.cache_dir)
-    served = settings.served_model_name
-    if served is None:
-        if settings.model is None:
-            served = DEFAULT_MODEL_NAME
-        elif os.path.isdir(settings.model):
-            served = os.path.basename(os.path.normpath(settings.model))
-        else:
-            served = settings.model  # a hub id
     dtype = None if settings.dtype == "auto" else _DTYPES[settings.dtype]
-    model = load_model(path, dtype=dtype, device=device, served_name=served)
+    model = load_model(path, dtype=dtype, device=device, served_name=settings.served_model_name)
     return Engine(model, config, device=device), load_tokenizer(path)
