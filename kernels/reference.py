@@ -30,11 +30,13 @@ def store_kv(
 
 
 def _gather_pages(cache: torch.Tensor, page_table: torch.Tensor, max_len: int) -> torch.Tensor:
-    """[B, max_pages] page ids -> [B, max_len, Hkv, D] contiguous keys or values."""
+    """[B, max_pages] page ids -> [B, max_len, Hkv, D] keys or values, in sequence order."""
     page_size = cache.shape[1]
     num_pages = (max_len + page_size - 1) // page_size
-    pages = cache[page_table[:, :num_pages]]  # [B, num_pages, page_size, Hkv, D]
-    return pages.flatten(1, 2)[:, :max_len]
+    batch = page_table.shape[0]
+    # index_select copies whole pages (contiguous blocks): much faster than advanced indexing.
+    pages = cache.index_select(0, page_table[:, :num_pages].reshape(-1))
+    return pages.view(batch, num_pages * page_size, *cache.shape[2:])[:, :max_len]
 
 
 def decode_attention(
@@ -50,20 +52,19 @@ def decode_attention(
     q: [B, Hq, D]; page_table: [B, max_pages] int; seq_lens: [B] int (>= 1, includes the query
     token, whose K/V must already be stored). Returns [B, Hq, D]. Hq must be a multiple of Hkv
     (grouped-query attention).
+
+    The query heads that share a KV head are laid out as that head's "query positions", so one
+    plain (non-causal, masked) SDPA call does grouped-query decode without repeating K/V.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     max_len = int(seq_lens.max())
-    k = _gather_pages(k_cache, page_table, max_len)  # [B, L, Hkv, D]
-    v = _gather_pages(v_cache, page_table, max_len)
-    group = num_q_heads // num_kv_heads
-    qg = q.view(batch, num_kv_heads, group, head_dim).float()
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale
+    k = _gather_pages(k_cache, page_table, max_len).transpose(1, 2)  # [B, Hkv, L, D]
+    v = _gather_pages(v_cache, page_table, max_len).transpose(1, 2)
     valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
-    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+    qg = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(batch, num_q_heads, head_dim)
 
 
 def extend_attention(
