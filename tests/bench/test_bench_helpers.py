@@ -1,0 +1,78 @@
+"""The benchmark tool's pure helpers: ranges, workloads, percentiles, CPU accounting."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import pytest
+
+from trio_infer.bench import procstat, stats
+from trio_infer.bench.frontend import _interp
+from trio_infer.bench.workload import (
+    LengthRange,
+    make_text_workload,
+    make_workload,
+    parse_range,
+)
+
+
+def test_parse_range() -> None:
+    assert parse_range("32:512") == LengthRange(32, 512)
+    assert parse_range("7") == LengthRange(7, 7)
+    for bad in ("0:4", "5:4", "a:b", "1:2:3", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_range(bad)
+
+
+def test_workload_is_seeded_and_in_range() -> None:
+    a = make_workload(20, LengthRange(4, 9), LengthRange(1, 3), 100, seed=5)
+    b = make_workload(20, LengthRange(4, 9), LengthRange(1, 3), 100, seed=5)
+    c = make_workload(20, LengthRange(4, 9), LengthRange(1, 3), 100, seed=6)
+    assert a == b and a != c
+    for r in a:
+        assert 4 <= r.prompt_len <= 9 and 1 <= r.output_len <= 3
+        assert all(3 <= t < 100 for t in r.prompt_ids)
+
+
+def test_shared_prefix() -> None:
+    w = make_workload(5, LengthRange(2, 4), LengthRange(1, 1), 50, shared_prefix_len=8)
+    prefix = w[0].prompt_ids[:8]
+    assert all(r.prompt_ids[:8] == prefix for r in w)
+    assert all(10 <= r.prompt_len <= 12 for r in w)
+    texts = make_text_workload(3, LengthRange(2, 2), LengthRange(4, 4), shared_prefix_len=5)
+    assert len({t.split()[:5].__repr__() for t, _ in texts}) == 1
+    assert all(n == 4 for _, n in texts)
+
+
+def test_percentile_and_summary() -> None:
+    xs = [float(i) for i in range(1, 101)]
+    assert stats.percentile(xs, 50) == pytest.approx(50.5)
+    assert stats.percentile(xs, 99) == pytest.approx(99.01)
+    assert math.isnan(stats.percentile([], 50))
+    s = stats.summarize([0.001, 0.003], scale=1000)
+    assert s["p50"] == pytest.approx(2.0) and s["max"] == pytest.approx(3.0)
+
+
+def test_json_has_no_nan(tmp_path) -> None:
+    stats.write_json(tmp_path / "x.json", {"a": math.nan, "b": [math.inf, 1.0]})
+    assert json.loads((tmp_path / "x.json").read_text()) == {"a": None, "b": [None, 1.0]}
+
+
+def test_interp() -> None:
+    series = [(0.0, 0), (1.0, 100), (2.0, 300)]
+    assert _interp(series, 0.5) == pytest.approx(50)
+    assert _interp(series, 1.5) == pytest.approx(200)
+    assert _interp(series, -1) == 0 and _interp(series, 5) == 300
+
+
+@pytest.mark.skipif(not procstat.available(), reason="needs Linux /proc schedstat")
+def test_cpu_meter_counts_own_work() -> None:
+    meter = procstat.CpuMeter(os.getpid())
+    x = 0
+    for i in range(300_000):
+        x += i * i
+    assert meter.sample() > 1_000_000  # more than 1 ms of CPU, counted in ns
+    assert procstat.process_cpu_seconds(os.getpid()) > 0

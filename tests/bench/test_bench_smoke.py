@@ -1,0 +1,137 @@
+"""Each bench subcommand runs end to end on a tiny model or the fake model and prints its table
+and valid JSON. No figure is asserted: timings belong in docs/benchmarks.md, not in tests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from trio_infer.bench import frontend
+
+ENV = {**os.environ, "TRIO_INFER_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+
+def bench(*args: str, timeout: float = 120) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "trio_infer.bench", *args],
+        env=ENV, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_offline_with_baselines(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "offline.json"
+    text = bench(
+        "offline", "--model", str(tiny_checkpoint), "--num-prompts", "3", "--input-len", "8:24",
+        "--output-len", "2:6", "--ignore-eos", "--baseline", "hf-sequential",
+        "--baseline", "hf-static", "--baseline-batch", "2", "--output-json", str(out),
+    )
+    assert "out tok/s" in text and "hf-static" in text
+    data = json.loads(out.read_text())
+    assert set(data) >= {"ours", "baselines", "ratios"}
+    assert set(data["baselines"]) == {"hf-sequential", "hf-static"} == set(data["ratios"])
+    # --ignore-eos: every system makes exactly the tokens asked for
+    wanted = data["ours"]["output_tokens"]
+    assert all(b["output_tokens"] == wanted for b in data["baselines"].values())
+
+
+def test_offline_shared_prefix_without_cache(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    from trio_infer.bench.offline import supports_prefix_cache_flag
+
+    args = ["offline", "--model", str(tiny_checkpoint), "--num-prompts", "3",
+            "--input-len", "4:8", "--output-len", "2", "--shared-prefix-len", "40",
+            "--baseline", "no-prefix-cache", "--output-json", str(tmp_path / "p.json")]
+    if not supports_prefix_cache_flag():
+        proc = subprocess.run([sys.executable, "-m", "trio_infer.bench", *args], env=ENV,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and "enable_prefix_cache" in proc.stderr
+        return
+    text = bench(*args)
+    assert "prefill tok/s" in text
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert "no-prefix-cache" in data["prefill_ratios"]
+
+
+def test_offline_profile(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    text = bench("offline", "--model", str(tiny_checkpoint), "--profile", "--profile-steps", "4",
+                 "--profile-context", "16", "--profile-bandwidth-mb", "64",
+                 "--output-json", str(out))
+    assert "bandwidth bound" in text and "GEMM-throughput bound" in text
+    data = json.loads(out.read_text())
+    assert data["ours"]["achieved_step_ms"] > 0
+    assert set(data["bounds"]) >= {"bandwidth_bound_ms", "gemm_bound_ms", "read_bandwidth_gb_s"}
+
+
+@pytest.fixture
+def fake_server(tmp_path: Path):
+    """Our server over the instant fake model on a free loopback port; yields its base URL."""
+    port = frontend.free_port()
+    args = argparse.Namespace(concurrency=[4], server_env=[])
+    cmd = frontend.server_command(frontend.default_launcher(), 0.0, port, [])
+    log = open(tmp_path / "server.log", "wb")
+    proc = subprocess.Popen(cmd, env={**frontend.server_env(args), **ENV}, stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        log.close()
+
+
+def test_serve_against_our_server(fake_server: str, tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    text = bench("serve", "--base-url", fake_server, "--num-prompts", "6", "--concurrency", "3",
+                 "--request-rate", "50", "--input-len", "4:12", "--output-len", "3:9",
+                 "--ignore-eos", "--output-json", str(out))
+    assert "Serving Benchmark Result" in text and "P99 TTFT (ms)" in text
+    data = json.loads(out.read_text())
+    assert data["completed"] == 6 and data["errors"] == 0
+    assert set(data["ttft_ms"]) >= {"p50", "p90", "p99"}
+    assert data["model"] == "fake"
+
+
+def test_serve_counts_errors(tmp_path: Path) -> None:
+    """A server that is not there: every request is an error, and the exit code says so."""
+    port = frontend.free_port()
+    proc = subprocess.run(
+        [sys.executable, "-m", "trio_infer.bench", "serve", "--base-url",
+         f"http://127.0.0.1:{port}/v1", "--model", "x", "--num-prompts", "2",
+         "--output-json", str(tmp_path / "e.json")],
+        env=ENV, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 1
+    assert json.loads((tmp_path / "e.json").read_text())["errors"] == 2
+
+
+def test_frontend(tmp_path: Path) -> None:
+    out = tmp_path / "frontend.json"
+    text = bench("frontend", "--step-ms", "5", "--concurrency", "1,4", "--output-len", "8",
+                 "--idle-s", "0.2", "--output-json", str(out), timeout=180)
+    assert "keep-up" in text and "server CPU us/tok" in text
+    data = json.loads(out.read_text())
+    assert [lv["concurrency"] for lv in data["levels"]] == [1, 4]
+    for lv in data["levels"]:
+        assert lv["errors"] == 0 and lv["output_tokens"] == lv["streams"] * 8
+        assert lv["server_cpu_us_per_token"] is not None

@@ -1,0 +1,207 @@
+"""``offline --profile``: how far a decode step is from what this machine allows.
+
+Two lower bounds on a decode step, both measured here, now, with the same torch thread count:
+
+- memory bandwidth: every weight is read once per step (the tied embedding as the lm_head; an
+  untied input embedding is a lookup and is not counted), so a step takes at least
+  ``weight bytes / read bandwidth``. The bandwidth is that of ``torch.sum`` over a 1 GiB tensor
+  (far larger than the L3 cache), best of several. A variant adds the KV cache read by attention.
+- GEMM throughput: the step's FLOPs (2 per weight per sequence, plus attention's
+  ``4 * context * heads * head_dim`` per layer and sequence) at the GFLOP/s of a compute-bound
+  GEMM of the model's own width (512 rows), best of several.
+
+The achieved step is the median over ``--profile-steps`` decode steps of our engine (schedule,
+forward and sampling, commit: everything ``Engine.step`` does), split into its three phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from trio_infer.bench import stats
+
+
+def measure_read_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float:
+    """Bytes per second that ``torch.sum`` reads from DRAM (best of ``repeats``)."""
+    import torch
+
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    del x
+    return nbytes / best
+
+
+def measure_gemm_flops(m: int, k: int, n: int, dtype: Any, repeats: int = 5) -> float:
+    """FLOP/s of an ``[m, k] @ [k, n]`` matmul in ``dtype`` (best of ``repeats``)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(k, n, generator=g).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * m * k * n / best
+
+
+def model_footprint(model: Any) -> dict[str, int]:
+    """Bytes of weights a decode step reads, and the weight elements that take part in GEMMs."""
+    import torch.nn as nn
+
+    embed = None
+    lm_head = None
+    for name, mod in model.named_modules():
+        if name.endswith("embed_tokens") and hasattr(mod, "weight"):
+            embed = mod.weight
+        if name.endswith("lm_head") and hasattr(mod, "weight"):
+            lm_head = mod.weight
+    tied = embed is not None and lm_head is not None and embed is lm_head
+    read_bytes = 0
+    gemm_elems = 0
+    seen: set[int] = set()
+    tensors = list(model.named_parameters())
+    if isinstance(model, nn.Module):
+        tensors += [(n, b) for n, b in model.named_buffers() if "cos_sin" not in n]
+    for name, p in tensors:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p is embed and not tied:
+            continue  # a lookup reads one row per token
+        read_bytes += p.numel() * p.element_size()
+        if p.dim() == 2:
+            gemm_elems += p.numel()
+    return {"weight_bytes": read_bytes, "gemm_weight_elems": gemm_elems, "tied": int(tied)}
+
+
+def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
+    import torch
+
+    from trio_infer.bench.offline import build_engine, torch_dtype
+    from trio_infer.bench.workload import BenchRequest
+    from trio_infer.engine.params import SamplingParams
+
+    batch, ctx, steps = args.profile_batch, args.profile_context, args.profile_steps
+    warm_steps = 3
+    rng = random.Random(args.seed)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path))
+    vocab = config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(ctx)] for _ in range(batch)]
+    workload = [BenchRequest(p, warm_steps + steps + 1) for p in prompts]
+    engine = build_engine(path, args, workload, None)
+    info = engine.model.info
+
+    for i, p in enumerate(prompts):
+        engine.add_request(i, p, SamplingParams(max_tokens=warm_steps + steps + 1,
+                                                temperature=0.0, ignore_eos=True))
+    started: set[Any] = set()
+    while len(started) < batch:  # prefill (maybe chunked) until every sequence has a token
+        started.update(o.uid for o in engine.step())
+    for _ in range(warm_steps):
+        engine.step()
+    phases: dict[str, list[float]] = {"schedule": [], "execute": [], "commit": [], "step": []}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        plan = engine.schedule()
+        t1 = time.perf_counter()
+        result = engine.execute(plan)
+        t2 = time.perf_counter()
+        engine.commit(plan, result)
+        t3 = time.perf_counter()
+        assert plan.batch.num_tokens == batch, "not a pure decode step"
+        phases["schedule"].append(t1 - t0)
+        phases["execute"].append(t2 - t1)
+        phases["commit"].append(t3 - t2)
+        phases["step"].append(t3 - t0)
+    model = engine.model
+    del engine
+
+    foot = model_footprint(model)
+    avg_ctx = ctx + warm_steps + 1 + steps / 2
+    elem = torch.empty((), dtype=info.dtype).element_size()
+    kv_bytes = batch * avg_ctx * 2 * info.num_layers * info.num_kv_heads * info.head_dim * elem
+    num_heads = config.num_attention_heads
+    flops = 2.0 * batch * foot["gemm_weight_elems"] + (
+        4.0 * batch * avg_ctx * num_heads * info.head_dim * info.num_layers
+    )
+    del model
+
+    bandwidth = measure_read_bandwidth(args.profile_bandwidth_mb * 2**20)
+    hidden = config.hidden_size
+    gemm = measure_gemm_flops(512, hidden, 2 * config.intermediate_size, torch_dtype(args.dtype))
+    med = {k: statistics.median(v) for k, v in phases.items()}
+    achieved = med["step"]
+    bw_bound = foot["weight_bytes"] / bandwidth
+    bw_kv_bound = (foot["weight_bytes"] + kv_bytes) / bandwidth
+    gemm_bound = flops / gemm
+
+    hf_step = None
+    if "hf-sequential" in args.baseline or "hf-static" in args.baseline:
+        from trio_infer.bench.baselines import hf_decode_step_s
+
+        print("transformers: timing its decode step ...", flush=True)
+        hf_step = hf_decode_step_s(path, args.dtype, prompts, steps)
+
+    print(
+        f"\ndecode at batch {batch}, context {ctx}..{ctx + warm_steps + steps + 1}, {args.dtype}, "
+        f"{threads} torch threads; model {path}"
+    )
+    rows = [
+        ["ours: achieved step (median)", achieved * 1e3, 1.0, ""],
+        ["  schedule+prepare", med["schedule"] * 1e3, None, ""],
+        ["  execute (forward+sample)", med["execute"] * 1e3, None, ""],
+        ["  commit", med["commit"] * 1e3, None, ""],
+        ["bandwidth bound (weights)", bw_bound * 1e3, achieved / bw_bound,
+         f"{foot['weight_bytes'] / 1e9:.3f} GB / {bandwidth / 1e9:.1f} GB/s"],
+        ["bandwidth bound (weights+KV)", bw_kv_bound * 1e3, achieved / bw_kv_bound,
+         f"+{kv_bytes / 1e9:.3f} GB KV"],
+        ["GEMM-throughput bound", gemm_bound * 1e3, achieved / gemm_bound,
+         f"{flops / 1e9:.2f} GFLOP / {gemm / 1e9:.0f} GFLOP/s"],
+    ]
+    if hf_step is not None:
+        rows.append(["transformers step", hf_step * 1e3, hf_step / bw_bound, "ratio vs weights bound"])
+    stats.print_table(["", "ms", "achieved/bound", "from"],
+                      [[a, b, c if c is not None else "", d] for a, b, c, d in rows])
+    if args.output_json:
+        stats.write_json(args.output_json, {
+            "ours": {
+                "step_ms": {k: stats.summarize(v, 1e3) for k, v in phases.items()},
+                "achieved_step_ms": achieved * 1e3,
+            },
+            "bounds": {
+                "read_bandwidth_gb_s": bandwidth / 1e9,
+                "gemm_gflop_s": gemm / 1e9,
+                "weight_bytes": foot["weight_bytes"],
+                "kv_bytes": kv_bytes,
+                "decode_gflop": flops / 1e9,
+                "bandwidth_bound_ms": bw_bound * 1e3,
+                "bandwidth_kv_bound_ms": bw_kv_bound * 1e3,
+                "gemm_bound_ms": gemm_bound * 1e3,
+            },
+            "baselines": {"transformers": {"step_ms": hf_step * 1e3}} if hf_step else {},
+            "ratios": {
+                "achieved_over_bandwidth_bound": achieved / bw_bound,
+                "achieved_over_gemm_bound": achieved / gemm_bound,
+                **({"transformers_over_bandwidth_bound": hf_step / bw_bound} if hf_step else {}),
+            },
+            "config": {"model": str(path), "dtype": args.dtype, "threads": threads,
+                       "batch": batch, "context": ctx, "steps": steps},
+            "environment": stats.environment(),
+        })
+        print(f"wrote {args.output_json}")
+    return 0
