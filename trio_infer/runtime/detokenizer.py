@@ -1,0 +1,122 @@
+"""Incremental detokenization: token ids in, text deltas out. Pure: no trio, no I/O.
+
+Two facts about real tokenizers make "decode the new token and append it" wrong:
+
+* A token can be part of a multi-byte UTF-8 character (byte-level BPE and SentencePiece byte
+  fallback both do this). Decoded alone it gives U+FFFD. Emitting that would put a broken
+  character on the wire, and the next token cannot repair text already sent.
+* A token's text can depend on its neighbours. SentencePiece-style decoders (Llama, Mistral)
+  turn the leading-space marker ``▁`` into a space *except* on the first token of the decoded
+  run, so ``decode([▁world])`` is ``"world"`` while ``decode([▁hello, ▁world])`` is
+  ``"hello world"``.
+
+So the detokenizer decodes a short *window*: the tokens it emitted last (the prefix, which starts
+and ends on character boundaries) plus the tokens not emitted yet, and emits the part of the window's text beyond the prefix's text, up to
+the last token boundary where that new part does not end in U+FFFD (an unfinished character); the
+tokens after it wait for the rest of their character. The state is a few integers and a window of
+tokens of one request, so it lives and dies with the request's own task (gap G3).
+
+The tokenizer is anything with Hugging Face's ``decode(ids, skip_special_tokens=...,
+clean_up_tokenization_spaces=...)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+REPLACEMENT_CHAR = "\ufffd"
+
+# How many prompt tokens the first window starts with. One is enough for the leading-space rule; a
+# few more leave room to start at the beginning of a character.
+_PREFIX_WINDOW = 5
+# Past this many held tokens the text will never become valid (the model produced invalid bytes):
+# emit it as is.
+_MAX_HELD_TOKENS = 8
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: Sequence[int], **kwargs: Any) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text, one delta at a time.
+
+    ``prompt_ids`` seed the window, so the first generated token is decoded in its real context
+    (its leading space is kept). Prompt text itself is never emitted.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        prompt_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        # The window starts a few tokens before the end of the prompt, at a token that begins a
+        # character (a window starting inside one would decode its first bytes as U+FFFD, and
+        # byte-fallback decoders then garble the whole byte run, new bytes included).
+        tail = list(prompt_ids[-_PREFIX_WINDOW:])
+        starts = (i for i in range(len(tail)) if not self._decode(tail[i:]).startswith(REPLACEMENT_CHAR))
+        self._ids: list[int] = tail[next(starts, 0) :]
+        self._prefix = 0  # the window: self._ids[self._prefix:]
+        self._read = len(self._ids)  # tokens before this index have been emitted
+        self._prefix_text = self._decode(self._ids[self._prefix : self._read])
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if not ids:
+            return ""
+        return self._tokenizer.decode(
+            ids,
+            skip_special_tokens=self._skip_special,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append tokens; return the text that is now final (possibly empty)."""
+        self._ids.extend(token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The request is over: return whatever text is still held back, valid or not."""
+        return self._advance(final=True)
+
+    @property
+    def num_held_tokens(self) -> int:
+        return len(self._ids) - self._read
+
+    def _advance(self, *, final: bool) -> str:
+        n = len(self._ids)
+        if self._read == n:
+            return ""
+        if final:
+            return self._commit(n, self._decode(self._ids[self._prefix :]))
+        # Commit as many tokens as give complete text: all of them, or all but the last few when
+        # those end in the middle of a character. (Byte-fallback decoders turn a whole run of byte
+        # tokens into U+FFFDs when its end is unfinished, so the boundary may lie several tokens
+        # back; valid UTF-8 has one at least every 4 byte-tokens.)
+        for end in range(n, self._read, -1):
+            text = self._decode(self._ids[self._prefix : end])
+            if not text.endswith(REPLACEMENT_CHAR):
+                return self._commit(end, text)
+        if n - self._read >= _MAX_HELD_TOKENS:
+            # These bytes will never form a character (the model produced invalid UTF-8): stop
+            # holding them, as a full decode would show them, as U+FFFD.
+            return self._commit(n, self._decode(self._ids[self._prefix :]))
+        return ""
+
+    def _commit(self, end: int, text: str) -> str:
+        """Emit the text of tokens up to ``end`` and slide the window past them."""
+        # Text already emitted is never taken back: the delta is what lies beyond the prefix's
+        # length (a decoder that rewrote earlier characters cannot be undone on the wire).
+        delta = text[len(self._prefix_text) :]
+        # The next window starts at the tokens just emitted: a character boundary, with at least
+        # one token of left context for the leading-space rule. Older tokens are dropped, so the
+        # state stays small however long the generation runs.
+        start = self._read
+        del self._ids[:start]
+        self._read = end - start
+        self._prefix = 0
+        self._prefix_text = self._decode(self._ids[: self._read])
+        return delta
