@@ -1,0 +1,193 @@
+"""Command line: ``python -m trio_infer serve ...`` and ``python -m trio_infer generate ...``.
+
+``serve`` runs hypercorn's trio worker in this process and owns SIGTERM/SIGINT, so shutdown is
+graceful in a way the bare ``hypercorn`` command cannot offer: on the first signal ``/health`` and
+new requests answer 503, running requests get ``--shutdown-grace-s`` seconds to finish, then the
+rest end with an error event and ``[DONE]``, then hypercorn closes the connections and the process
+exits 0. A second signal skips the grace period.
+
+Every :class:`~trio_infer.settings.Settings` field is a flag (``--max-running 16``), and the
+``TRIO_INFER_*`` environment variables still apply underneath the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from typing import Any, Sequence
+
+import trio
+from pydantic import ValidationError
+
+from trio_infer.settings import Settings
+
+log = logging.getLogger("trio_infer")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> None:
+    group = parser.add_argument_group("settings (also TRIO_INFER_<NAME> environment variables)")
+    for name, field in Settings.model_fields.items():
+        if name in skip:
+            continue
+        default = field.default if field.default is not None else "unset"
+        group.add_argument(
+            _flag(name),
+            dest=name,
+            default=argparse.SUPPRESS,
+            metavar=name.upper(),
+            help=f"{field.description or ''} (default: {default})".strip(),
+        )
+
+
+def _settings(args: argparse.Namespace, names: Sequence[str]) -> Settings:
+    given = {n: getattr(args, n) for n in names if hasattr(args, n)}
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        raise SystemExit(f"error: invalid settings:\n{exc}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trio_infer", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_settings_flags(serve)
+    serve.add_argument("--log-level", default="info", help="logging level (default: info)")
+
+    gen = sub.add_parser("generate", help="complete one prompt offline (no HTTP, no chat template)")
+    _add_settings_flags(gen, skip=("host", "port", "api_key", "shutdown_grace_s"))
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help='print {"text","token_ids","finish_reason"}')
+    return parser
+
+
+# -- serve ----------------------------------------------------------------------------------------
+
+
+async def serve(settings: Settings, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until SIGTERM/SIGINT, then shut down gracefully (see the module docstring)."""
+    from hypercorn.config import Config
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from trio_infer.app import create_app, drain
+
+    app = create_app(settings)
+    config = Config()
+    config.bind = [f"{settings.host}:{settings.port}"]
+    # Our own drain has ended every request by the time hypercorn is told to stop; this only
+    # bounds the wait for connections to close.
+    config.graceful_timeout = 2.0
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")  # through our logging setup, once
+    shutdown = trio.Event()
+    grace = trio.CancelScope()
+
+    async def drain_then_stop() -> None:
+        with grace:
+            await drain(app, settings.shutdown_grace_s)
+        await drain(app, 0)  # if a second signal cut the grace period short
+        shutdown.set()  # hypercorn stops accepting and closes the (now finished) connections
+
+    async def watch_signals(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            draining = False
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if not draining:
+                    draining = True
+                    log.info("%s: draining (grace %gs)", name, settings.shutdown_grace_s)
+                    nursery.start_soon(drain_then_stop)
+                else:
+                    log.info("%s again: ending the running requests now", name)
+                    grace.cancel()
+
+    async def run_server(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait, task_status=task_status)
+        nursery.cancel_scope.cancel()  # stop watching signals
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watch_signals)
+        binds = await nursery.start(run_server)
+        log.info("listening on %s", ", ".join(binds))
+        task_status.started(binds)
+    log.info("stopped")
+
+
+def _serve_main(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    settings = _settings(args, list(Settings.model_fields))
+    trio.run(serve, settings)
+    return 0
+
+
+# -- generate -------------------------------------------------------------------------------------
+
+
+async def generate(
+    settings: Settings, prompt: str, max_tokens: int, temperature: float, seed: int | None
+) -> dict[str, Any]:
+    """One completion through the public library API (``open_engine`` / ``generate``)."""
+    from trio_infer.engine.params import SamplingParams
+    from trio_infer.runtime.detokenizer import IncrementalDetokenizer
+    from trio_infer.runtime.engine_actor import open_engine
+    from trio_infer.runtime.loading import build_engine
+
+    engine, tokenizer = await trio.to_thread.run_sync(build_engine, settings)
+    prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=True))
+    limit = engine.max_model_len
+    if not prompt_ids or len(prompt_ids) + max_tokens > limit:
+        raise SystemExit(
+            f"error: the prompt ({len(prompt_ids)} tokens) plus --max-tokens {max_tokens} does not "
+            f"fit the context ({limit} tokens)"
+        )
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    token_ids: list[int] = []
+    text: list[str] = []
+    finish: str | None = None
+    async with open_engine(settings, engine) as async_engine:
+        async with async_engine.generate(prompt_ids, [params]) as stream:
+            async for outputs in stream:
+                for out in outputs:
+                    token_ids.extend(out.token_ids)
+                    ids = [t for t in out.token_ids if t != out.stop_token_id]
+                    text.append(detok.add(ids))
+                    finish = out.finish_reason or finish
+    text.append(detok.flush())
+    return {"text": "".join(text), "token_ids": token_ids, "finish_reason": finish}
+
+
+def _generate_main(args: argparse.Namespace) -> int:
+    settings = _settings(args, [n for n in Settings.model_fields])
+    result = trio.run(generate, settings, args.prompt, args.max_tokens, args.temperature, args.seed)
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        print(result["text"])
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve_main(args)
+    return _generate_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP layer: protocol models, errors, SSE, routes."""

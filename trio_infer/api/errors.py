@@ -1,0 +1,146 @@
+"""OpenAI-format errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
+
+Every path that can answer with an error goes through here, including Quart's own (404 route,
+405 method, 413 body too large) and pydantic's validation errors, so a client never sees an HTML
+page or FastAPI-style ``detail`` list. Nothing internal (tracebacks, exception reprs of unexpected
+errors) is leaked; the log gets the details.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from pydantic import ValidationError
+from quart import Quart, g
+from werkzeug.exceptions import HTTPException
+
+from trio_infer.runtime.engine_actor import (
+    EngineError,
+    EngineOverloaded,
+    EngineUnavailable,
+    RequestFailed,
+    RequestStalled,
+)
+
+log = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+# Seconds a client is told to wait after a 503 for a full queue.
+RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    """An error with its HTTP status and OpenAI envelope fields; raise it from a handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str = INVALID_REQUEST, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def from_engine_error(exc: EngineError) -> APIError:
+    """The HTTP answer for an error the runtime raised (before or during a request)."""
+    if isinstance(exc, EngineOverloaded):
+        return APIError(
+            503, str(exc), SERVER_ERROR, code="overloaded",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    if isinstance(exc, EngineUnavailable):
+        return APIError(503, str(exc), SERVER_ERROR, code="service_unavailable")
+    if isinstance(exc, RequestStalled):
+        return APIError(500, str(exc), SERVER_ERROR, code="stalled")
+    if isinstance(exc, RequestFailed):
+        return APIError(500, str(exc), SERVER_ERROR, code="engine_error")
+    return APIError(500, str(exc), SERVER_ERROR)
+
+
+def internal_error() -> APIError:
+    return APIError(500, "The server had an error while processing your request.", SERVER_ERROR)
+
+
+def validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    """One readable line and the ``param`` for the first problem pydantic found."""
+    first = exc.errors(include_url=False)[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    if first.get("type") == "missing":
+        return f"Missing required parameter: '{param}'.", param
+    msg = first.get("msg", "invalid value")
+    if param:
+        value = first.get("input")
+        shown = _short(value)
+        return f"Invalid value for '{param}': {msg} (got {shown}).", param
+    return msg, None
+
+
+def _short(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _close_unless_body_read(headers: dict[str, str]) -> dict[str, str]:
+    # Trap 2 (notes/trio-stack.md): an answer sent before the request body was fully received
+    # leaves the keep-alive connection deaf to the next request. Ask the client to close it.
+    if not getattr(g, "body_complete", False):
+        headers = {**headers, "Connection": "close"}
+    return headers
+
+
+def register_error_handlers(app: Quart) -> None:
+    @app.errorhandler(APIError)
+    async def _api_error(exc: APIError):  # type: ignore[no-untyped-def]
+        return exc.body(), exc.status, _close_unless_body_read(exc.headers)
+
+    @app.errorhandler(ValidationError)
+    async def _validation_error(exc: ValidationError):  # type: ignore[no-untyped-def]
+        message, param = validation_message(exc)
+        return error_body(message, param=param), 400, _close_unless_body_read({})
+
+    @app.errorhandler(EngineError)
+    async def _engine_error(exc: EngineError):  # type: ignore[no-untyped-def]
+        err = from_engine_error(exc)
+        return err.body(), err.status, _close_unless_body_read(err.headers)
+
+    @app.errorhandler(HTTPException)
+    async def _http_error(exc: HTTPException):  # type: ignore[no-untyped-def]
+        status = exc.code or 500
+        kind = INVALID_REQUEST if status < 500 else SERVER_ERROR
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
+        message = exc.description or exc.name
+        headers = {k: v for k, v in exc.get_headers() if k.lower() == "allow"}
+        return error_body(message, kind, code=code), status, _close_unless_body_read(headers)
+
+    @app.errorhandler(Exception)
+    async def _unhandled(exc: Exception):  # type: ignore[no-untyped-def]
+        log.error("unhandled error in a request handler", exc_info=exc)
+        err = internal_error()
+        return err.body(), err.status, _close_unless_body_read({})

@@ -1,0 +1,146 @@
+"""Request models of the OpenAI-compatible API, and the rules for fields we do not support.
+
+Validation is strict (``"10"`` is not an integer, ``1`` is not a boolean) and complete: a request
+that passes here and the checks in :mod:`trio_infer.api.serving` is one the engine can serve, so
+nothing can fail "later" for a reason the client could have been told up front.
+
+Unknown fields are never silently ignored. A field of the OpenAI API that this server does not
+implement (``tools``, ``response_format``, ``logit_bias``, ...) is rejected with a 400 naming it,
+unless its value asks for nothing (``null``, an empty list, ``false`` for ``store``): clients
+commonly send those. Fields that change nothing about the output by definition (``user``,
+``metadata``) are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trio_infer.api.errors import APIError
+
+# A value in the tuple means "not asking for the feature": such a field is dropped, not rejected.
+_UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+}
+UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
+    **_UNSUPPORTED_COMMON,
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "web_search_options": (None,),
+}
+UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
+    **_UNSUPPORTED_COMMON,
+    "suffix": (None, ""),
+}
+
+
+def check_fields(data: dict[str, Any], model: type[BaseModel], unsupported: dict[str, tuple]) -> dict:
+    """Drop unsupported fields that ask for nothing; reject the others with a 400 naming them.
+
+    Unknown fields that are not OpenAI fields are left in place for the model to reject
+    (``Unrecognized request argument supplied``).
+    """
+    out = dict(data)
+    for key, value in data.items():
+        if key in model.model_fields or key not in unsupported:
+            continue
+        if any(type(value) is type(v) and value == v for v in unsupported[key]) or value is None:
+            del out[key]
+            continue
+        raise APIError(
+            400,
+            f"'{key}' is not supported by this server.",
+            param=key,
+            code="unsupported_parameter",
+        )
+    return out
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class _SamplingFields(_Strict):
+    """Sampling and stopping fields shared by both endpoints. ``None`` means "the default"."""
+
+    model: str
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    n: Annotated[int, Field(ge=1)] | None = 1
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=64)] | None = None
+    ignore_eos: bool | None = False
+    user: str | None = None  # accepted: identifies the end user, changes nothing
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    metadata: dict[str, str] | None = None  # accepted: stored nowhere, changes nothing
+
+
+class CompletionRequest(_SamplingFields):
+    # A string or token ids. A list holding one of those is the same prompt; longer lists
+    # (batches) are rejected in serving.py with a clear message.
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = False
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

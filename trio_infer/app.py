@@ -1,0 +1,127 @@
+"""The quart-trio application: ``hypercorn trio_infer.app:app --worker-class trio``.
+
+``create_app(settings)`` builds an app; the module-level ``app`` is built from the environment
+(``TRIO_INFER_*``). Building is cheap: the model is loaded in ``before_serving`` (in a worker
+thread), and the engine actor runs in ``app.nursery`` for the app's lifetime through the public
+library API (:func:`~trio_infer.runtime.engine_actor.open_engine`).
+
+Lifecycle of the engine inside the app:
+
+* startup: load (thread) -> ``open_engine`` in an ``app.nursery`` task -> serving.
+* the actor crashes: it marks itself unhealthy and fails every session (it never lets the error
+  escape into ``app.nursery``, which would leave the server up but deaf: trap 7); ``/health`` and
+  new requests answer 503.
+* shutdown: ``after_serving`` drains (new requests 503) and ends every live session with an error,
+  then the app nursery's cancellation stops the actor. :func:`drain` gives running requests a
+  grace period first; ``python -m trio_infer serve`` calls it on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import trio
+from quart_trio import QuartTrio
+
+from trio_infer.api.errors import register_error_handlers
+from trio_infer.api.routes import register_routes
+from trio_infer.api.scope import RequestScopeMiddleware
+from trio_infer.api.serving import ModelLimits, TokenText
+from trio_infer.api.state import EngineBuilder, ServerState, server_state
+from trio_infer.engine.engine import Engine
+from trio_infer.metrics import Metrics
+from trio_infer.runtime.engine_actor import EngineUnavailable, open_engine
+from trio_infer.settings import Settings
+
+log = logging.getLogger(__name__)
+
+def _default_builder(settings: Settings) -> "tuple[Engine, Any]":
+    from trio_infer.runtime.loading import build_engine
+
+    return build_engine(settings)
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    build: EngineBuilder | None = None,
+    loaded: "tuple[Engine, Any] | None" = None,
+) -> QuartTrio:
+    """A new app serving ``settings``.
+
+    The model is loaded at startup by ``build(settings) -> (Engine, tokenizer)`` in a worker
+    thread (default: :func:`trio_infer.runtime.loading.build_engine`). A program that already
+    holds an engine and its tokenizer passes them as ``loaded`` instead (no thread; tests under a
+    mock clock rely on that).
+    """
+    settings = settings if settings is not None else Settings()
+    app = QuartTrio(__name__)
+    app.config.update(
+        RESPONSE_TIMEOUT=None,  # trap 1: streams may run for minutes
+        MAX_CONTENT_LENGTH=settings.max_body_bytes,
+        # The engine is stopped by after_serving and the app nursery's cancellation; do not
+        # wait 5 s for it at every shutdown (trap 10).
+        BACKGROUND_TASK_SHUTDOWN_TIMEOUT=None,
+    )
+    state = ServerState(settings, Metrics(), build or _default_builder)
+    app.extensions["trio_infer"] = state
+    app.asgi_app = RequestScopeMiddleware(app.asgi_app)  # type: ignore[method-assign]
+    register_error_handlers(app)
+    register_routes(app)
+
+    @app.before_serving
+    async def _start_engine() -> None:
+        if loaded is not None:
+            engine, tokenizer = loaded
+        else:
+            engine, tokenizer = await trio.to_thread.run_sync(state.build, settings)
+        state.tokenizer = tokenizer
+        state.texts = TokenText(tokenizer)
+        state.engine = await app.nursery.start(_run_engine, state, engine)
+        info = state.engine.info
+        state.limits = ModelLimits(
+            name=settings.served_model_name or info.name,
+            max_model_len=state.engine.max_model_len,
+            vocab_size=info.vocab_size,
+            max_n=settings.max_n,
+        )
+        log.info("serving %s (context %d tokens)", state.limits.name, state.limits.max_model_len)
+
+    @app.after_serving
+    async def _stop_engine() -> None:
+        # In-flight requests have drained or been cancelled by now; end whatever is left with an
+        # explicit error rather than silence, then the app nursery's cancellation stops the actor.
+        if state.engine is not None:
+            state.engine.begin_drain()
+            state.engine.abort_all(EngineUnavailable("the server is shutting down"))
+
+    return app
+
+
+async def _run_engine(
+    state: ServerState, engine: Engine, *, task_status: Any = trio.TASK_STATUS_IGNORED
+) -> None:
+    async with open_engine(state.settings, engine, state.metrics) as async_engine:
+        task_status.started(async_engine)
+        await trio.sleep_forever()
+
+
+async def drain(app: QuartTrio, grace_s: float) -> None:
+    """Graceful shutdown, first half: refuse new work (``/health`` and new requests get 503),
+    let running requests finish for up to ``grace_s`` seconds, then end the rest with an error
+    (streams get an error event and ``[DONE]``)."""
+    engine = server_state(app).engine
+    if engine is None:
+        return
+    engine.begin_drain()
+    with trio.move_on_after(grace_s if math.isfinite(grace_s) else math.inf):
+        while engine.num_sessions:
+            await trio.sleep(0.01)
+    if engine.num_sessions:
+        log.info("grace period over: ending %d request(s)", engine.num_sessions)
+    engine.abort_all(EngineUnavailable("the server is shutting down"))
+
+
+app = create_app()
