@@ -1,0 +1,46 @@
+"""The dispatcher: references on CPU tensors, Triton only for CUDA tensors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from kernels import ops, reference
+from kernels.triton_utils import is_interpreted
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_cpu_tensors_use_the_reference() -> None:
+    x = torch.randn(3, 8)
+    assert ops.backend(x) == "reference"
+    torch.testing.assert_close(ops.silu_and_mul(x), reference.silu_and_mul(x), rtol=0, atol=0)
+    with ops.forced_reference():
+        assert ops.backend(x) == "reference"
+
+
+def test_cpu_engine_never_imports_triton() -> None:
+    """A CPU process runs every op without importing Triton (it may be missing or broken)."""
+    code = (
+        "import sys, torch\n"
+        "from kernels import ops\n"
+        "x = torch.randn(4, 16)\n"
+        "ops.rms_norm(x, torch.ones(16), 1e-6, x)\n"
+        "ops.silu_and_mul(x)\n"
+        "assert 'triton' not in sys.modules, 'triton was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+def test_triton_kernel_modules_import_and_are_interpreted_here() -> None:
+    """All kernel modules import, and this suite really runs them through the interpreter."""
+    modules = ops._triton_kernels()
+    assert set(modules) == {"store_kv", "decode_attention", "extend_attention", "rms_norm",
+                            "rotary", "activation"}
+    from kernels.decode_attention import _decode_split_kernel
+    from kernels.extend_attention import _extend_kernel
+
+    assert is_interpreted(_decode_split_kernel) and is_interpreted(_extend_kernel)
