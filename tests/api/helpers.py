@@ -175,3 +175,18 @@ async def open_request(client, path: str, body: dict[str, Any]):  # type: ignore
             cs.cancel()
     if error is not None:
         raise error
+
+
+async def post_stream(client, path: str, body: dict[str, Any]) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+    """POST and read the body as it comes (``client.post`` reads only once the app has finished,
+    and its transport buffers 10 chunks: a longer stream would stall on backpressure)."""
+    async with client.request(path, method="POST", headers={"Content-Type": "application/json"}) as conn:
+        await conn.send(json.dumps(body).encode())
+        await conn.send_complete()
+        text = ""
+        while True:
+            try:
+                text += (await conn.receive()).decode()
+            except trio.EndOfChannel:
+                break
+    return conn.status_code, text
