@@ -20,7 +20,6 @@ from .helpers import (
     metric,
     parse_sse,
     running,
-    state,
 )
 from trio_infer.models.fake import expected_next_token
 from trio_infer.models.synthetic import IM_END
@@ -287,3 +286,17 @@ async def test_queue_full_is_503_with_retry_after(tokenizer) -> None:
             assert (await r.get_json())["error"]["code"] == "overloaded"
             gate.allow()
         assert all_zero(app)
+
+
+async def test_chat_n2_stream_has_a_role_chunk_and_a_finish_per_choice(app, tokenizer) -> None:
+    r = await app.client.post("/v1/chat/completions", json=chat_body("hey", max_tokens=3, n=2, temperature=0, stream=True))
+    chunks = parse_sse(await r.get_data(as_text=True))[:-1]
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    by_choice: dict[int, list[dict]] = {0: [], 1: []}
+    for c in chunks:
+        by_choice[c["choices"][0]["index"]].append(c["choices"][0])
+    want = tokenizer.decode(expected(tokenizer, chat_prompt(tokenizer, "hey"), 3))
+    for choice in by_choice.values():
+        assert choice[0]["delta"] == {"role": "assistant", "content": ""}
+        assert [x["finish_reason"] for x in choice][-1] == "length"
+        assert "".join(x["delta"].get("content", "") for x in choice) == want  # greedy: equal

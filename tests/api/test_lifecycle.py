@@ -12,7 +12,6 @@ import gc
 import json
 import re
 import weakref
-from functools import partial
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any

@@ -154,6 +154,9 @@ def _sampling(
 ) -> list[SamplingParams]:
     stop_token_ids = tuple(req.stop_token_ids or ())
     check_token_ids(stop_token_ids, limits.vocab_size, "stop_token_ids")
+    if logprobs is not None and logprobs > limits.vocab_size:
+        param = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+        raise APIError(400, f"At most {limits.vocab_size} alternatives exist for each token.", param=param)
     common = dict(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
