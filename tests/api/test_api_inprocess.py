@@ -300,3 +300,15 @@ async def test_chat_n2_stream_has_a_role_chunk_and_a_finish_per_choice(app, toke
         assert choice[0]["delta"] == {"role": "assistant", "content": ""}
         assert [x["finish_reason"] for x in choice][-1] == "length"
         assert "".join(x["delta"].get("content", "") for x in choice) == want  # greedy: equal
+
+
+async def test_validation_errors_name_the_field_and_the_accepted_types(app) -> None:
+    r = await app.client.post("/v1/completions", json={"model": "fake", "prompt": "a", "stop": 5})
+    err = (await r.get_json())["error"]
+    assert r.status_code == 400 and err["param"] == "stop" and "str or list[str]" in err["message"]
+    r = await app.client.post("/v1/chat/completions", json={"model": "fake", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    err = (await r.get_json())["error"]
+    assert r.status_code == 400 and err["param"] == "messages.0.content.0.type"
+    r = await app.client.post("/v1/completions", json={"prompt": "a"})
+    assert (await r.get_json())["error"]["message"] == "Missing required parameter: 'model'."

@@ -82,20 +82,36 @@ def internal_error() -> APIError:
     return APIError(500, "The server had an error while processing your request.", SERVER_ERROR)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the union member an error came from in its ``loc`` (``'list[str]'``)."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part.startswith("function-"))
+
+
 def validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    """One readable line and the ``param`` for the first problem pydantic found."""
-    first = exc.errors(include_url=False)[0]
-    loc = [str(p) for p in first.get("loc", ())]
-    param = ".".join(loc) or None
+    """One readable line and the ``param`` for the problem pydantic found."""
+    errors = exc.errors(include_url=False)
+    clean = [[str(p) for p in e.get("loc", ()) if not _is_union_tag(p)] for e in errors]
+    tags = [next((p for p in reversed(e.get("loc", ())) if _is_union_tag(p)), None) for e in errors]
+    # A value that matches no member of a union: say which types are accepted.
+    if len(errors) > 1 and all(t is not None and c == clean[0] for t, c in zip(tags, clean)) and all(
+        len(e["loc"]) and _is_union_tag(e["loc"][-1]) for e in errors
+    ):
+        param = ".".join(clean[0]) or None
+        accepted = " or ".join(dict.fromkeys(t for t in tags if t))
+        return f"Invalid type for '{param}': expected {accepted} (got {_short(errors[0].get('input'))}).", param
+    # Otherwise the deepest problem is the most specific one (inside a union's matching member).
+    i = max(range(len(errors)), key=lambda k: len(errors[k].get("loc", ())))
+    first, param = errors[i], ".".join(clean[i]) or None
     if first.get("type") == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
     if first.get("type") == "missing":
         return f"Missing required parameter: '{param}'.", param
     msg = first.get("msg", "invalid value")
     if param:
-        value = first.get("input")
-        shown = _short(value)
-        return f"Invalid value for '{param}': {msg} (got {shown}).", param
+        return f"Invalid value for '{param}': {msg} (got {_short(first.get('input'))}).", param
     return msg, None
 
 
