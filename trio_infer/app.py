@@ -19,7 +19,6 @@ Lifecycle of the engine inside the app:
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import trio
@@ -116,9 +115,8 @@ async def drain(app: QuartTrio, grace_s: float) -> None:
     if engine is None:
         return
     engine.begin_drain()
-    with trio.move_on_after(grace_s if math.isfinite(grace_s) else math.inf):
-        while engine.num_sessions:
-            await trio.sleep(0.01)
+    with trio.move_on_after(grace_s):
+        await engine.wait_sessions_done()
     if engine.num_sessions:
         log.info("grace period over: ending %d request(s)", engine.num_sessions)
     engine.abort_all(EngineUnavailable("the server is shutting down"))

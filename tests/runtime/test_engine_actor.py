@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import trio
 import trio.testing
 
@@ -261,3 +262,69 @@ async def test_prefix_cache_metrics(autojump_clock) -> None:
         assert m.prefix_cache_hits_total._value.get() == 16
         assert m.kv_pages_cached._value.get() == engine.num_cached_pages > 0
         assert_clean(ae)
+
+
+async def test_finishing_one_choice_stops_its_sequence(autojump_clock) -> None:
+    engine = make()
+    model = engine.model
+    long = SamplingParams(temperature=0, ignore_eos=True, max_tokens=40)
+    async with open_engine(settings(), engine=engine) as ae:
+        got: dict[int, list[int]] = {0: [], 1: []}
+        async with ae.generate([4, 5], [long, long]) as stream:
+            async for outs in stream:
+                for o in outs:
+                    got[o.uid[1]] += o.token_ids
+                if len(got[0]) >= 3:
+                    stream.finish(0)  # as when a stop string matched in choice 0's text
+                    stream.finish(0)  # idempotent
+                    assert (stream.request_id, 0) not in engine._seqs
+        assert got[1] == expected(model, [4, 5], 40)
+        assert 3 <= len(got[0]) < 40
+        assert ae.metrics.requests_total.labels(finish_reason="stop")._value.get() == 1
+        assert ae.metrics.requests_total.labels(finish_reason="length")._value.get() == 1
+        assert_clean(ae)
+
+
+async def test_wait_sessions_done(autojump_clock) -> None:
+    engine = make()
+    async with open_engine(settings(), engine=engine) as ae:
+        await ae.wait_sessions_done()  # none: returns at once
+        done = []
+        async with trio.open_nursery() as n:
+            async def waiter():
+                await ae.wait_sessions_done()
+                done.append(trio.current_time())
+            async def client():
+                await trio.sleep(3)
+                await collect(ae, [1], [GREEDY])
+            n.start_soon(client)
+            await trio.sleep(1)
+            n.start_soon(waiter)
+            await trio.sleep(1)
+            assert not done or ae.num_sessions == 0
+        assert done and ae.num_sessions == 0
+
+
+def test_inference_mode_is_entered_in_the_worker_thread() -> None:
+    """Trap 11: grad and inference mode are thread-local; the step runs in a worker thread, so
+    the runner must enter inference mode there, not rely on the caller's thread."""
+    seen = []
+
+    class Spy(FakeModel):
+        def forward(self, batch, k, v):
+            seen.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+            return super().forward(batch, k, v)
+
+    engine = Engine(Spy(vocab_size=VOCAB), EngineConfig(page_size=4, num_pages=16, max_running=4,
+                                                        max_batched_tokens=8))
+
+    async def main():
+        async with trio.open_nursery() as n:
+            ae = AsyncEngine(engine, settings(), Metrics(), execute_in_thread=True)
+            await n.start(ae.run)
+            with torch.inference_mode(False), torch.enable_grad():
+                await collect(ae, [1, 2], [GREEDY])
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+    assert seen and all(inf and not grad for inf, grad in seen)

@@ -188,6 +188,8 @@ async def _complete(state: ServerState, plan: Plan) -> Response:
         async for outputs in stream:
             for index, group in group_by_choice(outputs).items():
                 choices[index].consume(group)
+                if choices[index].finished:
+                    stream.finish(index)  # a stop string may end it before the engine does
             if all(c.finished for c in choices):
                 break  # a stop string can end the last choice before the engine does
     if not all(c.finished for c in choices):
@@ -214,6 +216,8 @@ async def _stream(state: ServerState, plan: Plan) -> Response:
                     chunks = []
                     for index, group in group_by_choice(outputs).items():
                         delta = choices[index].consume(group)
+                        if choices[index].finished:
+                            stream.finish(index)
                         chunk = writer.delta(index, delta) if delta is not None else None
                         if chunk is not None:
                             chunks.append(chunk)

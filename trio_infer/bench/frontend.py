@@ -16,6 +16,8 @@ For each concurrency (``--concurrency 1,64,256``) the load generator keeps that 
 - server CPU us/token: the server process tree's CPU time (user + system, all threads, from
   /proc schedstat) over the load window, minus what it burns idle at the same probe rate
   (measured for ``--idle-s`` before each level), per streamed token. The raw figure is in the JSON.
+- loadgen CPU us/token and cores busy (server + load generator CPU over the window / its length):
+  with 2 cores, "cores busy" near 2 means the figures are bounded by the machine, not the server.
 - /health p99: latency of the probes sent during the load window.
 """
 
@@ -164,9 +166,15 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
     probe_errors = 0
     interval = args.health_interval_ms / 1000.0
 
+    client_cpu: list[tuple[float, int]] = []
+    client_meter: list[CpuMeter] = []  # set once the load generator runs
+
     async def sample_cpu() -> None:
         while True:
-            cpu.append((time.time(), meter.sample()))
+            now = time.time()
+            cpu.append((now, meter.sample()))
+            if client_meter:
+                client_cpu.append((now, client_meter[0].sample()))
             await trio.sleep(0.05)
 
     async def probe() -> None:
@@ -198,17 +206,22 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
         idle_t0 = time.time()
         await trio.sleep(args.idle_s)
         idle_t1 = time.time()
-        done = await trio.run_process(cmd, check=False, capture_stdout=True, capture_stderr=True)
+        err_log = workdir / f"load-{concurrency}.log"
+        with open(err_log, "wb") as err:
+            loadgen = await trio.lowlevel.open_process(cmd, stdout=err, stderr=err)
+            client_meter.append(CpuMeter(loadgen.pid))
+            returncode = await loadgen.wait()
         await trio.sleep(0.1)  # one more CPU sample past the end
         nursery.cancel_scope.cancel()
-    if done.returncode != 0 or not out_json.is_file():
-        raise SystemExit(f"error: the load generator failed ({done.returncode}):\n"
-                         + done.stderr.decode(errors="replace")[-4000:])
+    if returncode != 0 or not out_json.is_file():
+        raise SystemExit(f"error: the load generator failed ({returncode}):\n"
+                         + err_log.read_text(errors="replace")[-4000:])
     load = json.loads(out_json.read_text())
     t0, t1 = load["t_start_unix"], load["t_end_unix"]
     idle_rate = (_interp(cpu, idle_t1) - _interp(cpu, idle_t0)) / (idle_t1 - idle_t0)
     raw_ns = _interp(cpu, t1) - _interp(cpu, t0)
     net_ns = max(0.0, raw_ns - idle_rate * (t1 - t0))
+    client_ns = _interp(client_cpu, t1) - _interp(client_cpu, t0)
     tokens = load["output_tokens"]
     during = [lat for sent, lat in probes if t0 <= sent <= t1]
     tok_s = load["output_throughput"]
@@ -231,6 +244,8 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
         "server_idle_cpu_per_s": idle_rate / 1e9,
         "server_cpu_us_per_token": net_ns / 1e3 / tokens if tokens else math.nan,
         "server_cpu_us_per_token_raw": raw_ns / 1e3 / tokens if tokens else math.nan,
+        "client_cpu_us_per_token": client_ns / 1e3 / tokens if tokens else math.nan,
+        "cpu_cores_busy": (raw_ns + client_ns) / 1e9 / (t1 - t0),
         "health_ms": stats.summarize(during, 1e3),
         "health_probes": len(during),
         "health_errors": probe_errors,
@@ -281,11 +296,13 @@ def main(args: argparse.Namespace) -> int:
         rows.append([
             lv["concurrency"], lv["streams"], lv["errors"], lv["streamed_tok_s"], lv["keep_up"],
             lv["ttft_ms"]["p50"], lv["ttft_ms"]["p99"], lv["chunk_gap_ms"]["p50"],
-            lv["chunk_gap_ms"]["p99"], lv["server_cpu_us_per_token"], lv["health_ms"]["p99"],
+            lv["chunk_gap_ms"]["p99"], lv["server_cpu_us_per_token"], lv["client_cpu_us_per_token"],
+            lv["cpu_cores_busy"], lv["health_ms"]["p99"],
         ])
     stats.print_table(
         ["streams", "reqs", "errors", "tok/s", "keep-up", "TTFT p50 ms", "TTFT p99 ms",
-         "gap p50 ms", "gap p99 ms", "server CPU us/tok", "/health p99 ms"],
+         "gap p50 ms", "gap p99 ms", "server CPU us/tok", "loadgen CPU us/tok", "cores busy",
+         "/health p99 ms"],
         rows,
     )
     if args.output_json:

@@ -272,13 +272,16 @@ def main(args: argparse.Namespace) -> int:
     engine = build_engine(path, args, workload, ours_cache)
     config = dataclasses.asdict(engine.config)
     print(f"ours: running ({config}) ...", flush=True)
+    load_before = _loadavg()
     results["ours"] = run_engine(engine, workload, args.ignore_eos)
+    results["ours"]["loadavg_1m"] = [load_before, _loadavg()]
     _report_line("ours", results["ours"])
     del engine
     gc.collect()
 
     for name in dict.fromkeys(args.baseline):  # each once, in the order given
         print(f"{name}: running ...", flush=True)
+        load_before = _loadavg()
         if name == "no-prefix-cache":
             engine = build_engine(path, args, workload, False)
             results[name] = run_engine(engine, workload, args.ignore_eos)
@@ -287,6 +290,7 @@ def main(args: argparse.Namespace) -> int:
             from trio_infer.bench.baselines import run_hf
 
             results[name] = run_hf(name, path, args, workload)
+        results[name]["loadavg_1m"] = [load_before, _loadavg()]
         gc.collect()
         _report_line(name, results[name])
 
@@ -329,10 +333,19 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _loadavg() -> float:
+    """The 1-minute load average: the machine may be shared, and every figure depends on it."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return math.nan
+
+
 def _report_line(name: str, r: dict[str, Any]) -> None:
+    load = r.get("loadavg_1m", [math.nan, math.nan])
     print(
         f"  {name}: {r['output_tokens']:,} output tokens in {r['elapsed_s']:.2f} s = "
-        f"{r['output_tok_s']:.1f} tok/s",
+        f"{r['output_tok_s']:.1f} tok/s (load average {load[0]:.2f} -> {load[1]:.2f})",
         file=sys.stdout,
         flush=True,
     )

@@ -108,6 +108,11 @@ class GenerationStream:
             self._owner._wake()  # the reader made room: let the actor resume the sequence
         return outputs
 
+    def finish(self, index: int) -> None:
+        """End choice ``index`` now, as a stop (a stop string matched in the text): its
+        sequence stops costing compute. No-op if it already finished."""
+        self._owner._finish_choice(self._session, (self.request_id, index))
+
 
 class AsyncEngine:
     def __init__(
@@ -130,6 +135,7 @@ class AsyncEngine:
         self._by_uid: dict[tuple[int, int], _Session] = {}
         self._ids = itertools.count(1)
         self._wakeup = trio.Event()
+        self._sessions_changed = trio.Event()
         self._prefix_seen = (0, 0)  # scheduler counters already exported
         self.metrics.kv_pages_total.set(engine.pool.num_pages)
 
@@ -199,11 +205,30 @@ class AsyncEngine:
         if self._sessions.pop(session.request_id, None) is not None:
             self.metrics.sessions_active.set(len(self._sessions))
             self.metrics.e2e_request_latency.observe(trio.current_time() - session.arrival)
+            self._sessions_changed.set()
+            self._sessions_changed = trio.Event()
         self._update_gauges()
         self._wake()  # freed pages may admit waiting requests
 
+    def _finish_choice(self, session: _Session, uid: tuple[int, int]) -> None:
+        if uid not in session.unfinished:
+            return
+        self.engine.abort(uid)
+        self.metrics.requests_total.labels(finish_reason="stop").inc()
+        session.unfinished.discard(uid)
+        self._by_uid.pop(uid, None)
+        if not session.unfinished:
+            session.send.close()
+        self._update_gauges()
+        self._wake()
+
     def begin_drain(self) -> None:
         self.draining = True
+
+    async def wait_sessions_done(self) -> None:
+        """Return once no request is live (for a graceful drain)."""
+        while self._sessions:
+            await self._sessions_changed.wait()
 
     def abort_all(self, error: EngineError) -> None:
         for session in list(self._sessions.values()):
