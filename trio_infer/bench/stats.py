@@ -100,11 +100,30 @@ def environment() -> dict[str, Any]:
                 break
     except OSError:
         pass
+    env.update(_git_state())
     if "torch" in sys.modules:
         torch = sys.modules["torch"]
         env["torch"] = torch.__version__
         env["torch_threads"] = torch.get_num_threads()
     return env
+
+
+def _git_state() -> dict[str, Any]:
+    """The commit measured, and whether the working tree differed from it (figures of a dirty
+    tree are not reproducible from the commit alone)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                              capture_output=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               text=True, capture_output=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    if head.returncode != 0:
+        return {}
+    return {"git_commit": head.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
 
 
 def _json_safe(obj: Any) -> Any:
