@@ -1,0 +1,33 @@
+"""``python -m trio_infer generate`` on a transformers-saved checkpoint matches transformers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def test_generate_cli_matches_transformers(tiny_checkpoint_factory, tmp_path: Path) -> None:
+    path = tiny_checkpoint_factory("LlamaForCausalLM")
+    prompt = "The quick brown fox jumps over the lazy dog"
+    out = subprocess.run(
+        [sys.executable, "-m", "trio_infer", "generate", "--model", str(path), "--prompt", prompt,
+         "--max-tokens", "24", "--temperature", "0", "--json", "--cache-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    want = hf.generate(ids, do_sample=False, max_new_tokens=24, pad_token_id=0)[0, ids.shape[1]:]
+    want = want.tolist()
+    # transformers stops at an EOS like we do; either way the token ids must agree.
+    assert got["token_ids"] == want
+    assert got["finish_reason"] == ("length" if len(want) == 24 else "stop")
+    assert got["text"] == tokenizer.decode(want, skip_special_tokens=True)
