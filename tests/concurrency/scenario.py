@@ -1,0 +1,234 @@
+"""What a scenario is: plain data, drawn by :mod:`.strategies`, run by :mod:`.runner`.
+
+A scenario fixes everything that can vary: the engine's pool and batch sizes, the server settings,
+the requests (prompt, choices, stop tokens, arrival), how each client reads, the faults (engine
+steps that raise, a shutdown) and the seed of trio's scheduler. Running the same scenario twice
+under a :class:`trio.testing.MockClock` gives the same run, which is what lets hypothesis shrink
+and replay a failure.
+
+Times are virtual seconds. Engine steps of the fake model take no virtual time, so "when" inside
+one instant is counted in *ticks*: trio checkpoints that a task waits before acting. A request
+that arrives at ``t=3, ticks=7`` arrives a few engine steps after everything due at ``t=3``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from trio_infer.engine.params import SamplingParams
+from trio_infer.models.fake import expected_next_token
+
+VOCAB = 61  # small, so stop tokens and the EOS are hit often
+EOS = 0
+
+# How a client reads its stream.
+#   read_all: reads every chunk as soon as it can.
+#   leave:    reads ``k`` chunks, then leaves the ``async with`` (a ``break``).
+#   slow:     sleeps ``delay`` seconds after every chunk.
+#   stall:    does not read for ``delay`` seconds, then reads everything.
+#   cancel:   reads everything, but its cancel scope is cancelled ``k`` ticks after it is
+#             admitted (k=0: while queued; small k: during prefill or with a step in flight).
+#   finish:   sleeps ``delay`` seconds after every chunk, like slow; after ``k`` chunks it ends
+#             every choice early with ``stream.finish(i)`` (what the HTTP layer does when a
+#             stop string matches), then reads what is left.
+Kind = Literal["read_all", "leave", "slow", "stall", "cancel", "finish"]
+
+
+@dataclass(frozen=True)
+class Client:
+    kind: Kind = "read_all"
+    k: int = 0
+    delay: float = 0.0
+
+    def __repr__(self) -> str:
+        extra = {"leave": f", k={self.k}", "cancel": f", k={self.k}",
+                 "slow": f", delay={self.delay}", "stall": f", delay={self.delay}",
+                 "finish": f", k={self.k}, delay={self.delay}"}
+        return f"Client({self.kind!r}{extra.get(self.kind, '')})"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of a request's ``n`` choices: greedy, so its output is known in advance."""
+
+    max_tokens: int | None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = True
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=0,
+            max_tokens=self.max_tokens,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple[int, ...]
+    choices: tuple[Choice, ...]
+    arrival: float = 0.0
+    ticks: int = 0
+    client: Client = Client()
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """``cancel``: the actor is cancelled (a hard stop). ``drain``: new requests are refused,
+    live ones get ``grace`` seconds, then every session is failed and the actor cancelled."""
+
+    kind: Literal["cancel", "drain"]
+    at: float
+    ticks: int = 0
+    grace: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    page_size: int = 4
+    num_pages: int = 16
+    max_running: int = 4
+    max_batched_tokens: int = 16
+    prefix_cache: bool = True
+
+    @property
+    def max_model_len(self) -> int:
+        return self.num_pages * self.page_size  # the fake model's own limit is far larger
+
+
+@dataclass(frozen=True)
+class Scenario:
+    engine: EngineShape
+    requests: tuple[Request, ...]
+    channel_capacity: int = 4
+    stall_timeout_s: float = 10.0
+    max_waiting: int = 256
+    fail_steps: frozenset[int] = frozenset()  # 1-based engine steps whose execute raises
+    shutdown: Shutdown | None = None
+    sched_seed: int = 0  # seeds trio's run-queue shuffling: the interleaving is part of the example
+
+
+@dataclass(frozen=True)
+class Expected:
+    tokens: tuple[int, ...]
+    finish_reason: str  # "stop" | "length"
+
+
+def expected_output(prompt: tuple[int, ...] | list[int], choice: Choice, max_model_len: int) -> Expected:
+    """What a choice must produce, from the fake model's pure next-token function and the engine's
+    stop rules (stop tokens and EOS are kept in the output; then max_tokens; then the context)."""
+    seq = list(prompt)
+    out: list[int] = []
+    while True:
+        t = expected_next_token(seq, VOCAB, EOS)
+        seq.append(t)
+        out.append(t)
+        if (not choice.ignore_eos and t == EOS) or t in choice.stop_token_ids:
+            return Expected(tuple(out), "stop")
+        if choice.max_tokens is not None and len(out) >= choice.max_tokens:
+            return Expected(tuple(out), "length")
+        if len(seq) >= max_model_len:
+            return Expected(tuple(out), "length")
+
+
+def continuation(prompt: tuple[int, ...] | list[int], n: int) -> list[int]:
+    """The first ``n`` tokens the fake model writes after ``prompt`` (no stop rules)."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(expected_next_token(seq, VOCAB, EOS))
+    return seq[len(prompt):]
+
+
+@dataclass
+class Stats:
+    """What happened, for hypothesis ``event()`` statistics and for sanity tests."""
+
+    steps: int = 0
+    preemptions: int = 0
+    preempted_paused: int = 0
+    pauses: int = 0
+    failed_steps: int = 0
+
+
+# -- the HTTP layer ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    """One OpenAI request. ``prompt`` is token ids for /v1/completions; for /v1/chat/completions
+    ``message`` is the user message and the prompt is what the chat template renders."""
+
+    endpoint: Literal["completions", "chat"]
+    prompt: tuple[int, ...] = (1,)
+    message: str = ""
+    n: int = 1
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = True
+    stream: bool = True
+    include_usage: bool = False
+    arrival: float = 0.0
+    ticks: int = 0
+    client: Client = Client()  # "cancel" = disconnect k ticks after sending the request
+
+    def body(self) -> dict:
+        body: dict = {"model": HTTP_MODEL, "n": self.n, "temperature": 0,
+                      "ignore_eos": self.ignore_eos, "stream": self.stream}
+        if self.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": self.message}]
+        else:
+            body["prompt"] = list(self.prompt)
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
+        if self.stop:
+            body["stop"] = list(self.stop)
+        if self.include_usage:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+
+
+HTTP_MODEL = "fake-chars"
+
+
+@dataclass(frozen=True)
+class HttpScenario:
+    engine: EngineShape
+    requests: tuple[HttpRequest, ...]
+    channel_capacity: int = 4
+    stall_timeout_s: float = 10.0
+    max_waiting: int = 256
+    fail_steps: frozenset[int] = frozenset()
+    drain_at: float | None = None  # trio_infer.app.drain(app, drain_grace) at this time
+    drain_grace: float = 0.0
+    sched_seed: int = 0
+
+
+@dataclass(frozen=True)
+class ExpectedText:
+    text: str
+    finish_reason: str
+    num_tokens: int  # tokens the server consumed for the choice (usage.completion_tokens)
+
+
+def expected_text(prompt_ids: list[int], req: HttpRequest, max_model_len: int,
+                  text_of) -> ExpectedText:
+    """The OpenAI answer of one choice: the engine's tokens as text (a final EOS or stop token
+    is not text; an EOS inside the output, with ``ignore_eos``, is an empty special token), cut
+    where the first stop string *ends* (ties: the one starting first)."""
+    exp = expected_output(prompt_ids, Choice(req.max_tokens, (), req.ignore_eos), max_model_len)
+    tokens = list(exp.tokens)
+    if exp.finish_reason == "stop":
+        tokens = tokens[:-1]  # the EOS
+    text = ""
+    for count, token in enumerate(tokens, 1):
+        text += text_of(token)
+        starts = [text.find(s) for s in req.stop if s in text]
+        if starts:  # each token adds at most one character: every match ends right here
+            return ExpectedText(text[: min(starts)], "stop", count)
+    return ExpectedText(text, exp.finish_reason, len(exp.tokens))

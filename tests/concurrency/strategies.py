@@ -1,0 +1,197 @@
+"""Hypothesis strategies for scenarios.
+
+Everything shrinks towards the plain case: few requests, arrival at 0, clients that read
+everything, no fault, no shutdown, a roomy pool. Rare features (faults, shutdowns, a tiny waiting
+cap, prompts too long for the context) are behind :func:`sometimes`, whose selector shrinks to
+"off", so a shrunk counterexample keeps only what it needs.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from hypothesis import strategies as st
+
+from . import known_bugs
+from .char_tokenizer import ALPHABET, MESSAGE_CHARS, CharTokenizer
+from .scenario import (
+    VOCAB,
+    Choice,
+    Client,
+    EngineShape,
+    HttpRequest,
+    HttpScenario,
+    Request,
+    Scenario,
+    Shutdown,
+    continuation,
+)
+
+T = TypeVar("T")
+
+
+def sometimes(draw: st.DrawFn, strategy: st.SearchStrategy[T], default: T, one_in: int = 4) -> T:
+    """``strategy`` about once in ``one_in`` draws, else ``default`` (what it shrinks to)."""
+    return draw(strategy) if draw(st.integers(0, one_in - 1)) == one_in - 1 else default
+
+
+@st.composite
+def engine_shapes(draw: st.DrawFn) -> EngineShape:
+    """Pools from one sequence's worth of pages to a few: small enough to force preemption."""
+    page_size = draw(st.sampled_from([4, 1, 2, 3, 8]))
+    num_pages = draw(st.integers(max(2, -(-6 // page_size)), max(3, 96 // page_size)))
+    max_running = draw(st.integers(1, 8))
+    max_batched_tokens = max_running + draw(st.integers(0, 24))
+    prefix_cache = draw(st.booleans())
+    return EngineShape(page_size, num_pages, max_running, max_batched_tokens, prefix_cache)
+
+
+ALL_KINDS = st.sampled_from(["read_all", "slow", "leave", "stall", "cancel", "finish"])
+
+
+@st.composite
+def clients(draw: st.DrawFn, kinds: st.SearchStrategy[str] = ALL_KINDS) -> Client:
+    kind = draw(kinds)
+    if kind == "leave":
+        return Client(kind, k=draw(st.integers(1, 6)))
+    if kind == "cancel":
+        return Client(kind, k=draw(st.integers(0, 60)))
+    if kind == "slow":
+        return Client(kind, delay=draw(st.integers(1, 24)) / 2)
+    if kind == "stall":
+        return Client(kind, delay=float(draw(st.integers(1, 60))))
+    if kind == "finish":
+        delay = draw(st.integers(0, 24)) / 2 if known_bugs.FINISH_CHOICE_SPIN_FIXED else 0.0
+        return Client(kind, k=draw(st.integers(1, 6)), delay=delay)
+    return Client(kind)
+
+
+@st.composite
+def choices(draw: st.DrawFn, prompt: tuple[int, ...]) -> Choice:
+    max_tokens = draw(st.one_of(st.integers(1, 24), st.none()))
+    cont = continuation(prompt, 24)  # stop tokens taken from the output are actually hit
+    stop = draw(st.lists(st.one_of(st.sampled_from(cont), st.integers(0, VOCAB - 1)), max_size=2))
+    ignore_eos = draw(st.booleans().map(lambda b: not b))  # shrinks to ignoring the EOS
+    return Choice(max_tokens, tuple(dict.fromkeys(stop)), ignore_eos)
+
+
+def tokens(length: int) -> st.SearchStrategy[list[int]]:
+    return st.lists(st.integers(1, VOCAB - 1), min_size=length, max_size=length)
+
+
+@st.composite
+def requests(draw: st.DrawFn, shape: EngineShape, bases: list[tuple[int, ...]],
+             max_n: int = 3) -> Request:
+    limit = shape.max_model_len
+    too_long = sometimes(draw, st.just(True), False, one_in=12)
+    if too_long:
+        length = draw(st.integers(limit, limit + 4))
+    else:
+        length = draw(st.integers(1, min(limit - 1, 40)))
+    # Often start with part of a prompt other requests share, so the prefix cache shares pages.
+    head: tuple[int, ...] = ()
+    if bases and draw(st.booleans()):
+        base = draw(st.sampled_from(bases))
+        head = base[: draw(st.integers(0, min(len(base), length)))]
+    prompt = head + tuple(draw(tokens(length - len(head))))
+    n = draw(st.integers(1, max_n))
+    return Request(
+        prompt=prompt,
+        choices=tuple(draw(choices(prompt)) for _ in range(n)),
+        arrival=float(draw(st.integers(0, 10))),
+        ticks=draw(st.integers(0, 30)),
+        client=draw(clients()),
+    )
+
+
+@st.composite
+def shutdowns(draw: st.DrawFn) -> Shutdown:
+    kind = draw(st.sampled_from(["drain", "cancel"]))
+    return Shutdown(
+        kind=kind,
+        at=float(draw(st.integers(0, 20))),
+        ticks=draw(st.integers(0, 40)),
+        grace=float(draw(st.integers(0, 10))) if kind == "drain" else 0.0,
+    )
+
+
+@st.composite
+def scenarios(draw: st.DrawFn, max_requests: int = 24, max_n: int = 3) -> Scenario:
+    shape = draw(engine_shapes())
+    bases = draw(st.lists(st.integers(1, 32).flatmap(tokens).map(tuple), max_size=3))
+    reqs = draw(st.lists(requests(shape, bases, max_n), min_size=1, max_size=max_requests))
+    return Scenario(
+        engine=shape,
+        requests=tuple(reqs),
+        channel_capacity=draw(st.integers(1, 4)),
+        stall_timeout_s=float(draw(st.integers(1, 30))),
+        max_waiting=sometimes(draw, st.integers(1, 8), 256, one_in=8),
+        fail_steps=sometimes(
+            draw, st.frozensets(st.integers(1, 150), min_size=1, max_size=3), frozenset(), one_in=5
+        ),
+        shutdown=sometimes(draw, shutdowns(), None, one_in=5),
+        sched_seed=draw(st.integers(0, 2**16)),
+    )
+
+
+# -- the HTTP layer ------------------------------------------------------------------------------
+
+
+@st.composite
+def http_requests(draw: st.DrawFn, shape: EngineShape) -> HttpRequest:
+    endpoint = draw(st.sampled_from(["completions", "chat"]))
+    limit = shape.max_model_len
+    if endpoint == "chat":
+        message = "".join(draw(st.lists(st.sampled_from(MESSAGE_CHARS), max_size=12)))
+        prompt = tuple(CharTokenizer().encode(CharTokenizer().apply_chat_template(
+            [{"role": "user", "content": message}])))
+    else:
+        message = ""
+        length = draw(st.integers(1, max(1, min(limit + 2, 30))))
+        prompt = tuple(draw(tokens(length)))
+    max_tokens = draw(st.one_of(st.integers(1, 16), st.none()))
+    # Stop strings: pieces of the text the request will produce (so they are hit, often across
+    # tokens) or a few random characters.
+    text = "".join(CharTokenizer.text_of(t, True) for t in continuation(prompt, 20))
+    piece = st.integers(0, max(0, len(text) - 1)).flatmap(
+        lambda i: st.integers(1, 3).map(lambda k: text[i:i + k]))
+    random_stop = st.text(alphabet=ALPHABET, min_size=1, max_size=3)
+    stop = draw(st.lists(st.one_of(piece, random_stop).filter(bool), max_size=2))
+    stream = draw(st.booleans().map(lambda b: not b))  # shrinks to streaming
+    kinds = ["read_all", "slow", "leave", "stall", "cancel"] if stream else ["read_all", "cancel"]
+    if stop and not known_bugs.FINISH_CHOICE_SPIN_FIXED:
+        kinds = [k for k in kinds if k not in ("slow", "stall")]  # see known_bugs.py
+    client = draw(clients(st.sampled_from(kinds)))
+    return HttpRequest(
+        endpoint=endpoint,
+        prompt=prompt,
+        message=message,
+        n=draw(st.integers(1, 3)),
+        max_tokens=max_tokens,
+        stop=tuple(dict.fromkeys(stop)),
+        ignore_eos=draw(st.booleans().map(lambda b: not b)),
+        stream=stream,
+        include_usage=stream and draw(st.booleans()),
+        arrival=float(draw(st.integers(0, 6))),
+        ticks=draw(st.integers(0, 30)),
+        client=client,
+    )
+
+
+@st.composite
+def http_scenarios(draw: st.DrawFn, max_requests: int = 8) -> HttpScenario:
+    shape = draw(engine_shapes())
+    drain = sometimes(draw, st.integers(0, 12), None, one_in=5)
+    return HttpScenario(
+        engine=shape,
+        requests=tuple(draw(st.lists(http_requests(shape), min_size=1, max_size=max_requests))),
+        channel_capacity=draw(st.integers(1, 4)),
+        stall_timeout_s=float(draw(st.integers(1, 30))),
+        max_waiting=sometimes(draw, st.integers(1, 8), 256, one_in=8),
+        fail_steps=sometimes(
+            draw, st.frozensets(st.integers(1, 100), min_size=1, max_size=2), frozenset(), one_in=6
+        ),
+        drain_at=None if drain is None else float(drain),
+        drain_grace=float(draw(st.integers(0, 5))) if drain is not None else 0.0,
+        sched_seed=draw(st.integers(0, 2**16)),
+    )

@@ -1,0 +1,36 @@
+"""Property: whatever the requests, clients, pool, faults and interleaving, every lifecycle
+invariant holds at the end of the run (engine actor and sessions, no HTTP)."""
+
+from __future__ import annotations
+
+from hypothesis import event, given
+
+from .invariants import check_all
+from .profiles import suite_settings
+from .runner import Report, run_scenario
+from .scenario import Scenario
+from .strategies import scenarios
+
+
+def report_events(report: Report) -> None:
+    """Statistics for ``pytest --hypothesis-show-statistics``: which paths the examples hit."""
+    st = report.engine.stats
+    event(f"preempted: {'yes' if st.preemptions else 'no'}")
+    event(f"preempted a paused sequence: {'yes' if st.preempted_paused else 'no'}")
+    event(f"paused a sequence: {'yes' if st.pauses else 'no'}")
+    if st.failed_steps:
+        event("a step raised")
+    if report.scenario.shutdown is not None:
+        event(f"shutdown: {report.scenario.shutdown.kind}")
+    for rec in report.records:
+        event(f"outcome: {rec.outcome}")
+        if rec.cancel_phase is not None:
+            event(f"cancelled while: {rec.cancel_phase}")
+
+
+@suite_settings()
+@given(scenario=scenarios())
+def test_lifecycle_invariants(scenario: Scenario) -> None:
+    report = run_scenario(scenario)
+    report_events(report)
+    check_all(report)
