@@ -1,0 +1,273 @@
+"""Runs an :class:`~.scenario.HttpScenario` through the whole quart-trio app, in process.
+
+The app is the real one (``create_app``), serving the fake model through :class:`ProbeEngine`
+and the character tokenizer; clients are Quart test connections (no sockets), one task each, all
+under one ``MockClock(autojump_threshold=0)``. A client that leaves sends ``http.disconnect``,
+which is how quart-trio learns that a peer went away, and then waits for the server's ASGI call
+to return; only then does it leave the connection block by cancellation (the test connection's
+``__aexit__`` would otherwise wait forever for a final body the cancelled app never sends; see
+notes/trio-stack.md section 7).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+import trio.testing
+from quart_trio.testing.connections import TestHTTPConnection
+
+from trio_infer.app import create_app, drain
+from trio_infer.api.state import server_state
+from trio_infer.engine.engine import EngineConfig
+from trio_infer.metrics import Metrics
+from trio_infer.models.fake import FakeModel
+from trio_infer.runtime.engine_actor import AsyncEngine
+from trio_infer.settings import Settings
+
+from .char_tokenizer import CharTokenizer
+from .invariants import check_idle
+from .runner import (
+    ACTOR_ERRORS,
+    CURRENT_CLIENT,
+    DEADLINE_S,
+    Deadlock,
+    Event,
+    Probe,
+    ProbeEngine,
+    as_assertion,
+    describe_stuck,
+    step_budget,
+)
+from .scenario import EOS, HTTP_MODEL, VOCAB, HttpRequest, HttpScenario
+
+# How long (virtual seconds) the server may take to end a request after the client disconnects.
+DISCONNECT_NOTICE_S = 1.0
+
+
+class YieldingConnection(TestHTTPConnection):
+    """The test connection, but every message the app sends is a checkpoint, as a send to a real
+    socket is. The stock one hands ``http.response.start`` over without yielding, which leaves
+    no moment for a disconnect between the handler's return and the start of the body: the one
+    window in which only the request-scope middleware can end the session."""
+
+    async def _asgi_send(self, message: dict) -> None:
+        await trio.lowlevel.checkpoint()
+        await super()._asgi_send(message)
+
+
+class AsgiTracker:
+    """ASGI middleware around the whole app (outside the request-scope middleware). For each
+    test request it records when the server's ASGI call returned and whether anything of the
+    request (a session, a sequence) outlived it: everything must be gone by then, not later when
+    the garbage collector finalizes a forgotten generator."""
+
+    def __init__(self, app: Any, engine: ProbeEngine) -> None:
+        self.app = app
+        self.engine = engine
+        self.done: dict[int, trio.Event] = {}
+        self.outlived: dict[int, list] = {}
+        self.live = 0
+
+    def event(self, key: int) -> trio.Event:
+        return self.done.setdefault(key, trio.Event())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        key = scope.get("test_client")
+        token = CURRENT_CLIENT.set(key)
+        self.live += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.live -= 1
+            CURRENT_CLIENT.reset(token)
+            if key is not None:
+                left = self.engine.alive_of(key)
+                if left:
+                    self.outlived[key] = left
+                self.event(key).set()
+
+
+@dataclass
+class HttpRecord:
+    request: HttpRequest
+    entry: Event | None = None
+    end: Event | None = None
+    status: int | None = None
+    chunks: list[bytes] = field(default_factory=list)
+    outcome: str | None = None  # complete | disconnected
+    server_ended: bool = True  # after a disconnect: did the server's ASGI call return in time
+    outlived: list = field(default_factory=list)  # its uids still alive when the ASGI call returned
+    max_gap: float = 0.0  # longest time the client went without reading
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+@dataclass
+class HttpReport:
+    scenario: HttpScenario
+    engine: ProbeEngine
+    actor: AsyncEngine
+    metrics: Metrics
+    records: list[HttpRecord]
+    drain_started: Event | None
+    idle_error: str | None  # invariant 1 checked while the app still runs, once clients are done
+    live_asgi_calls: int
+    tasks_before: int
+    tasks_after: int
+
+
+async def _http_client(client: Any, tracker: AsgiTracker, probe: Probe, index: int,
+                       req: HttpRequest, rec: HttpRecord, spawn: Any) -> None:
+    await trio.sleep(req.arrival)
+    for _ in range(req.ticks):
+        await trio.lowlevel.checkpoint()
+    kind = req.client.kind
+    done = tracker.event(index)
+    rec.entry = probe.now()
+    with trio.CancelScope() as conn_scope:
+        async with client.request(req.path, method="POST",
+                                  headers={"Content-Type": "application/json"},
+                                  scope_base={"test_client": index}) as conn:
+            await conn.send(json.dumps(req.body()).encode())
+            await conn.send_complete()
+            complete = False
+            with trio.CancelScope() as reader_scope:
+                if kind == "cancel":
+                    spawn(_disconnect_after, reader_scope, req.client.k)
+                last = trio.current_time()
+                if kind == "stall":
+                    await trio.sleep(req.client.delay)
+                while True:
+                    try:
+                        data = await conn.receive()
+                    except trio.EndOfChannel:
+                        complete = True
+                        break
+                    now = trio.current_time()
+                    rec.max_gap, last = max(rec.max_gap, now - last), now
+                    rec.chunks.append(data)
+                    if kind == "leave" and len(rec.chunks) >= req.client.k:
+                        break
+                    if kind == "slow":
+                        await trio.sleep(req.client.delay)
+            rec.status = conn.status_code
+            rec.end = probe.now()
+            if complete:
+                rec.outcome = "complete"
+            else:
+                rec.outcome = "disconnected"
+                await conn.disconnect()
+                with trio.move_on_after(DISCONNECT_NOTICE_S):
+                    await done.wait()
+                rec.server_ended = done.is_set()
+                conn_scope.cancel()
+
+
+async def _disconnect_after(reader_scope: trio.CancelScope, k: int) -> None:
+    for _ in range(k):
+        await trio.lowlevel.checkpoint()
+    reader_scope.cancel()
+
+
+class _App:
+    """One app run: the app, its probe engine and what the clients saw."""
+
+    def __init__(self, sc: HttpScenario) -> None:
+        self.sc = sc
+        self.probe = Probe()
+        shape = sc.engine
+        self.engine = ProbeEngine(
+            FakeModel(vocab_size=VOCAB, eos_token_id=EOS, name=HTTP_MODEL),
+            EngineConfig(page_size=shape.page_size, num_pages=shape.num_pages,
+                         max_running=shape.max_running,
+                         max_batched_tokens=shape.max_batched_tokens,
+                         enable_prefix_cache=shape.prefix_cache),
+            sc.fail_steps,
+            self.probe,
+        )
+        self.engine.max_steps = step_budget(sum(
+            r.n * (len(r.prompt) + (r.max_tokens or shape.max_model_len)) for r in sc.requests
+        ))
+        settings = Settings(channel_capacity=sc.channel_capacity,
+                            stall_timeout_s=sc.stall_timeout_s, max_waiting=sc.max_waiting,
+                            served_model_name=HTTP_MODEL)
+        self.app = create_app(settings, loaded=(self.engine, CharTokenizer()))
+        self.tracker = AsgiTracker(self.app.asgi_app, self.engine)
+        self.app.asgi_app = self.tracker  # type: ignore[method-assign]
+        self.records = [HttpRecord(req) for req in sc.requests]
+        self.drain_started: Event | None = None
+        self.idle_error: str | None = None
+        self.live_asgi_calls = 0
+
+    async def run(self) -> None:
+        async with self.app.test_app() as test_app:
+            actor = server_state(self.app).engine
+            assert actor is not None
+            self.engine.actor = actor
+            client = test_app.test_client()
+            client.http_connection_class = YieldingConnection
+            async with trio.open_nursery() as clients:
+                for index, (req, rec) in enumerate(zip(self.sc.requests, self.records)):
+                    clients.start_soon(_http_client, client, self.tracker, self.probe, index, req,
+                                       rec, clients.start_soon)
+                if self.sc.drain_at is not None:
+                    clients.start_soon(self.drainer)
+            # Every client is done and the app still runs: nothing may be left of any request
+            # (after the app stops, its shutdown would clean up for us and hide a leak).
+            try:
+                check_idle(actor, self.engine)
+            except AssertionError as exc:
+                self.idle_error = str(exc)
+            self.live_asgi_calls = self.tracker.live
+
+    async def drainer(self) -> None:
+        assert self.sc.drain_at is not None
+        await trio.sleep(self.sc.drain_at)
+        self.drain_started = self.probe.now()
+        await drain(self.app, self.sc.drain_grace)
+
+
+async def _http_main(sc: HttpScenario) -> HttpReport:
+    tasks_before = trio.lowlevel.current_statistics().tasks_living
+    run = _App(sc)
+    try:
+        with trio.fail_after(DEADLINE_S), trio.CancelScope() as run.engine.run_scope:
+            await run.run()
+        if run.engine.failure is not None:
+            raise run.engine.failure
+    except trio.TooSlowError:
+        waiting = [f"#{i} ({rec.request.client!r}, status {rec.status}, {len(rec.chunks)} chunks)"
+                   for i, rec in enumerate(run.records) if rec.outcome is None]
+        raise Deadlock(f"nothing happened for {DEADLINE_S:g} virtual seconds:\n  "
+                       + describe_stuck(run.engine, run.engine.actor, waiting)) from None
+    assert run.engine.actor is not None
+    for index, rec in enumerate(run.records):
+        rec.outlived = run.tracker.outlived.get(index, [])
+    return HttpReport(
+        scenario=sc,
+        engine=run.engine,
+        actor=run.engine.actor,
+        metrics=server_state(run.app).metrics,
+        records=run.records,
+        drain_started=run.drain_started,
+        idle_error=run.idle_error,
+        live_asgi_calls=run.live_asgi_calls,
+        tasks_before=tasks_before,
+        tasks_after=trio.lowlevel.current_statistics().tasks_living,
+    )
+
+
+def run_http_scenario(sc: HttpScenario) -> HttpReport:
+    trio._core._run._r.seed(sc.sched_seed)
+    ACTOR_ERRORS.errors.clear()
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    with as_assertion():
+        return trio.run(_http_main, sc, clock=clock)
