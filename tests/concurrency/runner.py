@@ -7,7 +7,7 @@ step hands to which channel) and raises in ``execute`` on the steps the scenario
 
 Everything runs in one ``trio.run`` with a fresh ``MockClock(autojump_threshold=0)``: sleeps,
 slow readers and stall timeouts cost no wall time, and a deadlock jumps straight to the
-``fail_after`` deadline instead of hanging.
+:func:`watchdog`'s deadline (and a ``fail_after`` behind it) instead of hanging.
 """
 
 from __future__ import annotations
@@ -39,6 +39,17 @@ from .scenario import EOS, VOCAB, Request, Scenario, Stats
 
 # Virtual seconds a scenario may take before it counts as a deadlock (costs no wall time).
 DEADLINE_S = 1e6
+
+
+async def watchdog(engine: ProbeEngine, waiting_clients) -> None:
+    """Fail the run as a deadlock if it is still going at the virtual deadline. Under the
+    autojump clock a run where every task waits for something that never comes jumps straight
+    here, and the state is described *before* the cancellation unwinds it."""
+    await trio.sleep(DEADLINE_S)
+    engine._probe_failed(Deadlock(
+        f"nothing happened for {DEADLINE_S:g} virtual seconds:\n  "
+        + describe_stuck(engine, engine.actor, waiting_clients())
+    ))
 # Engine steps a scenario may take before it counts as a livelock (this one costs wall time):
 # this many times the tokens it could ever compute without preemption (measured: at most about
 # 1x over hundreds of examples), and never more than MAX_STEPS.
@@ -406,23 +417,22 @@ async def _main(sc: Scenario) -> Report:
             ae.abort_all(EngineUnavailable("the server is shutting down"))
         actor_scope.cancel()
 
-    try:
-        with trio.fail_after(DEADLINE_S), trio.CancelScope() as engine.run_scope:
-            async with trio.open_nursery() as root:
-                ae: AsyncEngine = await root.start(serve)
-                async with trio.open_nursery() as clients:
-                    for req, rec in zip(sc.requests, records):
-                        clients.start_soon(_client, ae, engine, probe, req, rec, clients.start_soon)
-                    if sc.shutdown is not None:
-                        clients.start_soon(shutdown, ae)
-                actor_scope.cancel()
-        if engine.failure is not None:
-            raise engine.failure
-    except trio.TooSlowError:
-        waiting = [f"#{i} (id {rec.request_id}, {rec.request.client!r}, read {len(rec.reads)})"
-                   for i, rec in enumerate(records) if rec.outcome is None]
-        raise Deadlock(f"nothing happened for {DEADLINE_S:g} virtual seconds:\n  "
-                       + describe_stuck(engine, engine.actor, waiting)) from None
+    def waiting_clients() -> list[str]:
+        return [f"#{i} (id {rec.request_id}, {rec.request.client!r}, read {len(rec.reads)})"
+                for i, rec in enumerate(records) if rec.outcome is None]
+
+    with trio.fail_after(2 * DEADLINE_S), trio.CancelScope() as engine.run_scope:
+        async with trio.open_nursery() as root:
+            root.start_soon(watchdog, engine, waiting_clients)
+            ae: AsyncEngine = await root.start(serve)
+            async with trio.open_nursery() as clients:
+                for req, rec in zip(sc.requests, records):
+                    clients.start_soon(_client, ae, engine, probe, req, rec, clients.start_soon)
+                if sc.shutdown is not None:
+                    clients.start_soon(shutdown, ae)
+            root.cancel_scope.cancel()  # the actor and the watchdog
+    if engine.failure is not None:
+        raise engine.failure
     me = trio.lowlevel.current_task()
     return Report(
         scenario=sc,

@@ -48,9 +48,11 @@ def test_a_reader_that_never_reads_is_aborted_after_the_timeout() -> None:
 def test_cancellation_reaches_queued_prefill_and_in_flight_steps() -> None:
     shape = EngineShape(page_size=4, num_pages=16, max_running=1, max_batched_tokens=4)
     phases = set()
-    for k in range(0, 12):  # a 20-token prompt, 4 tokens a step: 5 steps of prefill
-        report = run(Scenario(shape, (Request((2,) * 20, LONG, client=Client("cancel", k=k)),)))
-        phases.add(report.records[0].cancel_phase)
+    for seed in range(3):
+        for k in range(0, 12):  # a 20-token prompt, 4 tokens a step: 5 steps of prefill
+            req = Request((2,) * 20, LONG, client=Client("cancel", k=k))
+            report = run(Scenario(shape, (req,), sched_seed=seed))
+            phases.add(report.records[0].cancel_phase)
     assert {"queued", "prefill, step in flight", "decode, step in flight"} <= phases, phases
 
 
