@@ -246,6 +246,8 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
         "server_cpu_us_per_token_raw": raw_ns / 1e3 / tokens if tokens else math.nan,
         "client_cpu_us_per_token": client_ns / 1e3 / tokens if tokens else math.nan,
         "cpu_cores_busy": (raw_ns + client_ns) / 1e9 / (t1 - t0),
+        # One Python process: near 1.0 means the server itself is the bottleneck (the GIL).
+        "server_cores_busy": raw_ns / 1e9 / (t1 - t0),
         "health_ms": stats.summarize(during, 1e3),
         "health_probes": len(during),
         "health_errors": probe_errors,
