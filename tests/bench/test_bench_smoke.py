@@ -135,3 +135,5 @@ def test_frontend(tmp_path: Path) -> None:
     for lv in data["levels"]:
         assert lv["errors"] == 0 and lv["output_tokens"] == lv["streams"] * 8
         assert lv["server_cpu_us_per_token"] is not None
+        # The step-ms hook is in force: 8 tokens cannot stream faster than 8 steps of 5 ms.
+        assert lv["duration_s"] >= 8 * 0.005

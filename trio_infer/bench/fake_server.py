@@ -48,6 +48,10 @@ def install(step_ms: float) -> None:
         return
     cls = type("SteppedFakeModel", (SteppedFakeModel,), {"step_s": step_ms / 1000.0})
     fake.FakeModel = cls  # build_engine imports it from the module at call time
+    from trio_infer.runtime import loading
+
+    if hasattr(loading, "FakeModel"):  # in case it is ever imported at module level instead
+        loading.FakeModel = cls
 
 
 def main(argv: list[str] | None = None) -> None:
