@@ -218,6 +218,7 @@ class AsyncEngine:
         session.unfinished.discard(uid)
         self._by_uid.pop(uid, None)
         if not session.unfinished:
+            session.paused_since = None
             session.send.close()
         self._update_gauges()
         self._wake()
@@ -313,6 +314,7 @@ class AsyncEngine:
         now = trio.current_time()
         for session in list(self._sessions.values()):
             if not session.unfinished:
+                session.paused_since = None  # nothing left to pause: no stall deadline either
                 continue
             room = session.has_room()
             if room:
