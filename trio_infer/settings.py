@@ -43,6 +43,12 @@ class Settings(BaseSettings):
         30.0, gt=0, description="A paused request whose reader does not catch up is aborted."
     )
     max_n: int = Field(8, ge=1, description="Largest accepted 'n'.")
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="Streaming: send a choice's text once it has this many new tokens (its first "
+        "token and its end at once); 1 = every engine step. Larger values cost less CPU per token.",
+    )
     max_body_bytes: int = Field(4 * 2**20, ge=1024)
     api_key: str | None = None
 

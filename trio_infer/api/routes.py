@@ -37,6 +37,7 @@ from trio_infer.api.scope import close_quietly, request_exit_stack
 from trio_infer.api.state import ServerState, server_state
 from trio_infer.api.serving import (
     ChunkWriter,
+    Delta,
     Plan,
     chat_response,
     check_model,
@@ -204,26 +205,51 @@ async def _stream(state: ServerState, plan: Plan) -> Response:
     stream = await stack.enter_async_context(state.engine.generate(plan.prompt_ids, plan.params))
     choices = new_choices(plan, state.tokenizer)
     writer = ChunkWriter(plan, state.texts)
+    interval = state.settings.stream_interval
+    single = plan.n == 1
 
     async def body():  # type: ignore[no-untyped-def]
         # Trap 5: no `request` in here; everything needed was captured above.
+        # stream_interval > 1: a choice's text waits until it has `interval` new tokens (its first
+        # token and its end go out at once), merged into one chunk.
+        held: list[Delta | None] = [None] * plan.n
+        sent_tokens = [0] * plan.n
         try:
             try:
-                first = sse.events(writer.first())
+                first = "".join(writer.first())
                 if first:
                     yield first
                 async for outputs in stream:
-                    chunks = []
-                    for index, group in group_by_choice(outputs).items():
-                        delta = choices[index].consume(group)
-                        if choices[index].finished:
+                    events = []
+                    # One choice (the usual case): every output is choice 0's, no grouping.
+                    groups = ((0, outputs),) if single else group_by_choice(outputs).items()
+                    for index, group in groups:
+                        choice = choices[index]
+                        delta = choice.consume(group)
+                        if delta is None:
+                            continue  # finished earlier (a stop string): later outputs dropped
+                        if choice.finish_reason is not None:
                             stream.finish(index)
-                        chunk = writer.delta(index, delta) if delta is not None else None
-                        if chunk is not None:
-                            chunks.append(chunk)
-                    if chunks:
-                        yield sse.events(chunks)  # one write per engine step (trio-stack §6)
-                    if all(c.finished for c in choices):
+                        if interval > 1:
+                            if held[index] is not None:
+                                delta = held[index].merge(delta)
+                            sent = sent_tokens[index]
+                            if (
+                                sent
+                                and choice.finish_reason is None
+                                and choice.num_tokens - sent < interval
+                            ):
+                                held[index] = delta
+                                continue
+                            held[index] = None
+                            sent_tokens[index] = choice.num_tokens
+                        event = writer.delta(index, delta)
+                        if event is not None:
+                            events.append(event)
+                    if events:
+                        # One write per read of the stream, whatever it held (trio-stack §6).
+                        yield events[0] if len(events) == 1 else "".join(events)
+                    if all(c.finish_reason is not None for c in choices):
                         break
                 if not all(c.finished for c in choices):
                     raise RuntimeError("the engine ended the request without finishing it")

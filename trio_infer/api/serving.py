@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
+from trio_infer.api import sse
 from trio_infer.api.errors import APIError
 from trio_infer.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from trio_infer.engine.engine import RequestOutput
@@ -316,6 +317,10 @@ class Delta:
     logprobs: list[TokenLogprob]
     finish_reason: str | None
 
+    def merge(self, later: "Delta") -> "Delta":
+        """This delta followed by ``later``, as one (stream_interval holds deltas back)."""
+        return Delta(self.text + later.text, self.logprobs + later.logprobs, later.finish_reason)
+
 
 @dataclass
 class ChoiceState:
@@ -465,36 +470,65 @@ def completion_response(plan: Plan, choices: Sequence[ChoiceState], texts: Token
 
 
 class ChunkWriter:
-    """Builds the chunks of one streamed response (chat or completions)."""
+    """Renders the chunks of one streamed response (chat or completions) as SSE events.
+
+    The per-token path does no dict building and no ``json.dumps`` of a whole chunk: the constant
+    head of every chunk (id, object, created, model, usage null) is rendered once per request, and
+    only the text is JSON-encoded per chunk (with the encoder ``json.dumps(ensure_ascii=False)``
+    uses, so the bytes are exactly what :func:`sse.event` of the equivalent object gives). Chunks
+    with logprobs, and the rare ones, go through the generic ``sse.event``.
+    """
 
     def __init__(self, plan: Plan, texts: TokenText) -> None:
         self.plan = plan
         self.texts = texts
-        obj = "chat.completion.chunk" if plan.kind == "chat" else "text_completion"
+        self._chat = plan.kind == "chat"
+        obj = "chat.completion.chunk" if self._chat else "text_completion"
         self._head = _head(plan, obj)
         if plan.include_usage:
             self._head["usage"] = None  # OpenAI: null on every chunk but the usage one
         self._offsets = [len(plan.echo_text or "")] * plan.n  # completions text_offset
+        # 'data: {"id":...,"model":...,"choices":[{"index":' : everything before the index.
+        head = sse.dumps(self._head)
+        self._prefix = 'data: ' + head[:-1] + ',"choices":[{"index":'
+        self._want_lp = plan.logprobs is not None
 
-    def first(self) -> list[dict[str, Any]]:
+    def first(self) -> list[str]:
         """Chat: the role chunk of each choice. Completions: the echoed prompt, if any."""
-        if self.plan.kind == "chat":
+        if self._chat:
             return [
-                self._chunk(i, {"delta": {"role": "assistant", "content": ""}, "logprobs": None})
+                sse.event(self._chunk(i, {"delta": {"role": "assistant", "content": ""}, "logprobs": None}))
                 for i in range(self.plan.n)
             ]
         if self.plan.echo_text:
             return [
-                self._chunk(i, {"text": self.plan.echo_text, "logprobs": None})
+                sse.event(self._chunk(i, {"text": self.plan.echo_text, "logprobs": None}))
                 for i in range(self.plan.n)
             ]
         return []
 
-    def delta(self, index: int, delta: Delta) -> dict[str, Any] | None:
-        want_lp = self.plan.logprobs is not None
-        if not delta.text and delta.finish_reason is None and not (want_lp and delta.logprobs):
-            return None  # nothing to say yet (text held back)
-        if self.plan.kind == "chat":
+    def delta(self, index: int, delta: Delta) -> str | None:
+        """The event for one choice's delta, or None when there is nothing to say yet."""
+        text = delta.text
+        finish = delta.finish_reason
+        if self._want_lp:
+            if not text and finish is None and not delta.logprobs:
+                return None  # nothing to say yet (text held back)
+            return sse.event(self._delta_object(index, delta))
+        if not text and finish is None:
+            return None
+        # The fast path: the same bytes as sse.event(self._delta_object(index, delta)).
+        if self._chat:
+            content = '{"content":' + sse.encode_str(text) + "}" if text or finish is None else "{}"
+            body = ',"delta":' + content + ',"logprobs":null,"finish_reason":'
+        else:
+            body = ',"text":' + sse.encode_str(text) + ',"logprobs":null,"finish_reason":'
+        end = "null}]}\n\n" if finish is None else sse.encode_str(finish) + "}]}\n\n"
+        return self._prefix + str(index) + body + end
+
+    def _delta_object(self, index: int, delta: Delta) -> dict[str, Any]:
+        want_lp = self._want_lp
+        if self._chat:
             body: dict[str, Any] = {
                 "delta": {"content": delta.text} if delta.text or delta.finish_reason is None else {},
                 "logprobs": chat_logprobs(delta.logprobs, self.texts) if want_lp else None,

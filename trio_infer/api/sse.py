@@ -7,6 +7,7 @@ request with a single send (one ASGI send costs ~60 µs of server CPU; see notes
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring
 from typing import Any, Iterable
 
 from trio_infer.api.errors import APIError
@@ -19,8 +20,20 @@ HEADERS = {
 }
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+# A str as a JSON string literal: exactly what ``dumps`` writes for it (the C encoder that
+# ``json.dumps(..., ensure_ascii=False)`` uses), without building an encoder per call.
+encode_str = encode_basestring
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON, non-ASCII characters as themselves (as the OpenAI API writes them)."""
+    return _ENCODER.encode(obj)
+
+
 def event(obj: Any) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+    return "data: " + _ENCODER.encode(obj) + "\n\n"
 
 
 def events(objs: Iterable[Any]) -> str:
