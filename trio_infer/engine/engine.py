@@ -230,11 +230,7 @@ class Engine:
     @property
     def num_request_pages(self) -> int:
         """Pages in use by requests and not merely kept by the prefix cache: 0 when idle."""
-        cache_only = 0
-        if self.prefix_cache:
-            cache_only = sum(
-                1 for n in self.prefix_cache._lru.values() if self.pool.refcount(n.page) == 1
-            )
+        cache_only = self.prefix_cache.num_evictable if self.prefix_cache else 0
         return self.pool.num_used - cache_only
 
     def _stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:

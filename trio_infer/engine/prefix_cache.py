@@ -43,6 +43,11 @@ class PrefixCache:
     def num_pages(self) -> int:
         return len(self._lru)
 
+    @property
+    def num_evictable(self) -> int:
+        """Pages only the cache holds (no request uses them)."""
+        return sum(1 for node in self._lru.values() if self.pool.refcount(node.page) == 1)
+
     def match(self, token_ids: list[int], max_pages: int) -> list[_Node]:
         """The longest chain of cached full pages that prefixes ``token_ids`` (at most
         ``max_pages``). Marks them recently used; the caller must ``retain`` their pages."""

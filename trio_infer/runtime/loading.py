@@ -41,13 +41,12 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
     )
     if settings.model == FAKE_MODEL:
         from trio_infer.models.fake import FakeModel
+        from trio_infer.models.loader import load_tokenizer
         from trio_infer.models.synthetic import build_tokenizer
 
         tok_dir = settings.cache_dir / "fake-tokenizer"
         if not (tok_dir / "tokenizer.json").exists():
             build_tokenizer(tok_dir)
-        from trio_infer.models.loader import load_tokenizer
-
         tokenizer = load_tokenizer(tok_dir)
         model = FakeModel(
             vocab_size=len(tokenizer),
