@@ -124,3 +124,17 @@ def test_any_text_streams_exactly_with_byte_fallback(sentencepiece_like, text, s
     assert "".join(deltas) == tok.decode(ids)
     if REPLACEMENT_CHAR not in text:
         assert not any(REPLACEMENT_CHAR in d for d in deltas)
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece_like"])
+@pytest.mark.parametrize("text", TEXTS)
+def test_backend_fast_path_gives_the_wrappers_deltas(request, kind, text) -> None:
+    tok = request.getfixturevalue(kind)
+    ids = tok.encode(text, add_special_tokens=False)
+    fast = IncrementalDetokenizer(tok, ids[:2])
+    slow = IncrementalDetokenizer(tok, ids[:2])
+    assert fast._backend is not None
+    slow._backend = None  # through tokenizer.decode
+    for i in range(2, len(ids)):
+        assert fast.add(ids[i : i + 1]) == slow.add(ids[i : i + 1])
+    assert fast.flush() == slow.flush()

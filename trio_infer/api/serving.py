@@ -351,13 +351,15 @@ class ChoiceState:
         lps: list[TokenLogprob] = []
         finish: str | None = None
         for out in outputs:
-            self.num_tokens += len(out.token_ids)
-            ids = list(out.token_ids)
-            lp = list(out.logprobs or ())
+            ids = out.token_ids
+            lp = out.logprobs
+            self.num_tokens += len(ids)
             if out.stop_token_id is not None and ids and ids[-1] == out.stop_token_id:
-                ids.pop()  # the EOS / stop token ends the text; it is not part of it
-                lp = lp[: len(ids)]
-            lps.extend(lp)
+                ids = ids[:-1]  # the EOS / stop token ends the text; it is not part of it
+                if lp:
+                    lp = lp[: len(ids)]
+            if lp:
+                lps.extend(lp)
             piece = self.detokenizer.add(ids)
             if out.finish_reason is not None:
                 piece += self.detokenizer.flush()

@@ -17,7 +17,10 @@ tokens after it wait for the rest of their character. The state is a few integer
 tokens of one request, so it lives and dies with the request's own task (gap G3).
 
 The tokenizer is anything with Hugging Face's ``decode(ids, skip_special_tokens=...,
-clean_up_tokenization_spaces=...)``.
+clean_up_tokenization_spaces=...)``. For a plain transformers fast tokenizer, whose ``decode``
+with ``clean_up_tokenization_spaces=False`` is exactly its ``tokenizers`` backend's ``decode``, the
+backend is called directly: the same text without the Python wrapper (about 4x faster per call, and
+this runs twice per streamed token).
 """
 
 from __future__ import annotations
@@ -38,6 +41,25 @@ class Decoder(Protocol):
     def decode(self, token_ids: Sequence[int], **kwargs: Any) -> str: ...
 
 
+def _backend_decode(tokenizer: Any) -> Any:
+    """The ``tokenizers.Tokenizer.decode`` that ``tokenizer.decode`` wraps, or None when the
+    wrapper may do more than call it (another class, or one that overrides ``_decode``)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if not isinstance(backend, Tokenizer) or not isinstance(tokenizer, TokenizersBackend):
+        return None
+    if cls._decode is not TokenizersBackend._decode or cls.decode is not TokenizersBackend.decode:
+        return None
+    return backend.decode
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text, one delta at a time.
 
@@ -54,6 +76,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        self._backend = _backend_decode(tokenizer)
         # The window starts a few tokens before the end of the prompt, at a token that begins a
         # character (a window starting inside one would decode its first bytes as U+FFFD, and
         # byte-fallback decoders then garble the whole byte run, new bytes included).
@@ -67,6 +90,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
             return ""
+        if self._backend is not None:
+            return self._backend(ids, skip_special_tokens=self._skip_special)
         return self._tokenizer.decode(
             ids,
             skip_special_tokens=self._skip_special,
