@@ -284,12 +284,12 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = trio.current_time()
+        m = self.metrics
+        m.generation_tokens_total.inc(sum(len(out.token_ids) for out in outputs))  # once a step
         for out in outputs:
             session = self._by_uid.get(out.uid)
             if session is None:
                 continue  # its session ended while the step ran
-            m = self.metrics
-            m.generation_tokens_total.inc(len(out.token_ids))
             if session.last_token is None:
                 m.time_to_first_token.observe(now - session.arrival)
             else:
