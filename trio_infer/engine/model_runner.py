@@ -27,18 +27,23 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         max_pages = max(len(it.pages) for it in schedule.items)
-        page_table = torch.zeros(len(schedule.items), max_pages, dtype=torch.int64)
+        pages: list[int] = []  # the page table, row by row, padded with 0
         total = 0
-        for b, it in enumerate(schedule.items):
+        for it in schedule.items:
             end = it.start + it.num_tokens
-            input_ids.extend(it.seq.token_ids[it.start : end])
+            if it.num_tokens == 1:
+                input_ids.append(it.seq.token_ids[it.start])
+            else:
+                input_ids.extend(it.seq.token_ids[it.start : end])
             starts.append(it.start)
             counts.append(it.num_tokens)
             seq_lens.append(end)
-            page_table[b, : len(it.pages)] = torch.tensor(it.pages, dtype=torch.int64)
+            pages.extend(it.pages)
+            pages.extend([0] * (max_pages - len(it.pages)))
             total += it.num_tokens
             if it.samples:
                 logits_indices.append(total - 1)
+        page_table = torch.tensor(pages, dtype=torch.int64).view(len(counts), max_pages)
 
         counts_t = torch.tensor(counts, dtype=torch.int64)
         seq_of_token = torch.repeat_interleave(torch.arange(len(counts)), counts_t)

@@ -92,6 +92,7 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_pending, budget)
+            preempted_before = len(preempted)
             while not self._reserve(seq, seq.num_computed + n):
                 victim = self._pick_victim(seq)
                 self._preempt(victim)
@@ -100,7 +101,9 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 continue  # preempted itself; running[i] is now the next sequence
-            i = self.running.index(seq) + 1  # victims before seq shift its index
+            if len(preempted) > preempted_before:
+                i = self.running.index(seq)  # paused victims before seq shift its index
+            i += 1
             items.append(self._item(seq, n))
             budget -= n
 
