@@ -35,7 +35,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import cast, cdiv, device_sms, is_interpreted, mma, next_power_of_2
+from kernels.triton_utils import (
+    cast,
+    cdiv,
+    check_paged_attention_inputs,
+    device_sms,
+    is_interpreted,
+    mma,
+    next_power_of_2,
+)
 
 # Heuristics for the GPU launch (tests override the tile size and the split count to exercise
 # many tiles and splits with tiny tensors). See docs/kernels.md for why these values.
@@ -195,20 +203,8 @@ def decode_attention(
     the tests use them to cover several tiles and splits with small tensors.
     """
     batch, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"q heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads}) "
-            f"and head dims must match ({head_dim} vs {cache_head_dim})"
-        )
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
-        raise TypeError("q and the KV cache must share one dtype")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must share one layout with a unit head_dim stride")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if page_table.stride(-1) != 1:
-        page_table = page_table.contiguous()
+    page_size, num_kv_heads = k_cache.shape[1:3]
+    q, page_table = check_paged_attention_inputs(q, k_cache, v_cache, page_table)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out

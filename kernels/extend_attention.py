@@ -35,7 +35,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import cast, cdiv, is_interpreted, mma, next_power_of_2
+from kernels.triton_utils import (
+    cast,
+    cdiv,
+    check_paged_attention_inputs,
+    is_interpreted,
+    mma,
+    next_power_of_2,
+)
 
 
 @triton.jit
@@ -190,19 +197,7 @@ def extend_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     page_size = k_cache.shape[1]
-    if k_cache.shape[3] != head_dim or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"q heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads}) "
-            f"and head dims must match ({head_dim} vs {k_cache.shape[3]})"
-        )
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
-        raise TypeError("q and the KV cache must share one dtype")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must share one layout with a unit head_dim stride")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if page_table.stride(-1) != 1:
-        page_table = page_table.contiguous()
+    q, page_table = check_paged_attention_inputs(q, k_cache, v_cache, page_table)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:

@@ -87,3 +87,26 @@ def cast(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             x = bits.to(tl.float32, bitcast=True)
     return x.to(DTYPE)
+
+
+def check_paged_attention_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate the shapes and layouts both paged attention kernels rely on; return ``q`` and
+    ``page_table`` with a unit last stride (copied only if needed)."""
+    num_q_heads, head_dim = q.shape[-2:]
+    num_kv_heads, cache_head_dim = k_cache.shape[2:]
+    if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads}) "
+            f"and head dims must match ({head_dim} vs {cache_head_dim})"
+        )
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise TypeError("q and the KV cache must share one dtype")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share one layout with a unit head_dim stride")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if page_table.stride(-1) != 1:
+        page_table = page_table.contiguous()
+    return q, page_table
