@@ -101,9 +101,16 @@ def extend_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
-    impl = _triton_kernels()["extend_attention"] if _use_triton(q) else reference
-    return impl.extend_attention(q, k_cache, v_cache, page_table, query_start_loc, seq_lens, scale)
+    """``max_query_len`` (the longest chunk, known on the host) spares the Triton path a
+    device-to-host read of ``query_start_loc``; the reference does not need it."""
+    if _use_triton(q):
+        return _triton_kernels()["extend_attention"].extend_attention(
+            q, k_cache, v_cache, page_table, query_start_loc, seq_lens, scale,
+            max_query_len=max_query_len,
+        )
+    return reference.extend_attention(q, k_cache, v_cache, page_table, query_start_loc, seq_lens, scale)
 
 
 def rms_norm(

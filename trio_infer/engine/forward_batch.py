@@ -23,6 +23,9 @@ class ForwardBatch:
     query_start_loc: torch.Tensor  # [B + 1] int64: sequence b owns tokens [qsl[b], qsl[b+1])
     num_decodes: int  # sequences [0, num_decodes) have exactly one new token each
     logits_indices: torch.Tensor  # [N] int64: token rows whose next-token logits are needed
+    # The longest chunk of the step, known on the host: spares the GPU path a device read.
+    # None (hand-built batches): the kernel derives it from query_start_loc.
+    max_query_len: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -63,6 +63,7 @@ class ModelRunner:
             query_start_loc=query_start_loc.to(dev),
             num_decodes=schedule.num_decodes,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(dev),
+            max_query_len=max(counts),
         )
 
     def run(self, batch: ForwardBatch, sampling: list[Sequence]) -> SampleResult:

@@ -40,5 +40,6 @@ def paged_attention(
         batch.query_start_loc[nd:] - nd,
         batch.seq_lens[nd:],
         scale,
+        max_query_len=batch.max_query_len,
     )
     return out
