@@ -21,6 +21,12 @@ class Settings(BaseSettings):
     served_model_name: str | None = Field(None, description="Model id for the API.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = Field("auto", description="'auto' (cuda if available), 'cpu' or 'cuda'.")
+    fake_step_ms: float = Field(
+        0.0,
+        ge=0,
+        description="Only with model 'fake': simulated compute per engine step, run in the "
+        "worker thread like a real forward pass (benchmarks of the server layer). 0: instant.",
+    )
     cache_dir: Path = Field(
         Path.home() / ".cache" / "trio-infer", description="Where the embedded model is built."
     )

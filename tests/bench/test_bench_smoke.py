@@ -76,7 +76,7 @@ def test_offline_profile(tiny_checkpoint: Path, tmp_path: Path) -> None:
 def fake_server(tmp_path: Path):
     """Our server over the instant fake model on a free loopback port; yields its base URL."""
     port = frontend.free_port()
-    args = argparse.Namespace(concurrency=[4], server_env=[])
+    args = argparse.Namespace(concurrency=[4], server_env=[], step_ms=0.0)
     cmd = frontend.server_command(frontend.default_launcher(), 0.0, port, [])
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen(cmd, env={**frontend.server_env(args), **ENV}, stdout=log,

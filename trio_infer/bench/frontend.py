@@ -1,7 +1,7 @@
 """``frontend``: our HTTP stack alone, over the fake model with simulated step time.
 
-Three processes: the server (``python -m trio_infer serve --model fake`` on loopback, a random
-free port, started through :mod:`trio_infer.bench.fake_server` so each engine step takes
+Three processes: the server (``python -m trio_infer serve`` on loopback, a random
+free port, started with ``--model fake --fake-step-ms`` so each engine step takes
 ``--step-ms``; 0 = the instant fake model), the load generator (``python -m trio_infer.bench
 serve`` as a subprocess, so its CPU is not the server's), and this one, which starts them, probes
 ``GET /health`` every ``--health-interval-ms`` and samples the server's CPU time.
@@ -85,13 +85,17 @@ def default_launcher() -> str:
 
 
 def server_command(launcher: str, step_ms: float, port: int, extra: list[str]) -> list[str]:
-    head = [sys.executable, "-m", "trio_infer.bench.fake_server", "--step-ms", str(step_ms), "--"]
+    """The server process: ``--model fake`` with ``fake_step_ms`` of simulated compute per step
+    (the hypercorn launcher gets both through the environment, see :func:`server_env`)."""
     if launcher == "hypercorn":
-        return head + [
-            "hypercorn", "trio_infer.app:app", "--worker-class", "trio", "--workers", "0",
-            "--bind", f"127.0.0.1:{port}", *extra,
+        return [
+            sys.executable, "-m", "hypercorn", "trio_infer.app:app", "--worker-class", "trio",
+            "--workers", "0", "--bind", f"127.0.0.1:{port}", *extra,
         ]
-    return head + ["serve", "--model", "fake", "--host", "127.0.0.1", "--port", str(port), *extra]
+    return [
+        sys.executable, "-m", "trio_infer", "serve", "--model", "fake",
+        "--fake-step-ms", str(step_ms), "--host", "127.0.0.1", "--port", str(port), *extra,
+    ]
 
 
 def server_env(args: argparse.Namespace) -> dict[str, str]:
@@ -99,6 +103,7 @@ def server_env(args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
         "TRIO_INFER_MODEL": "fake",  # for the hypercorn launcher; the CLI gets --model fake
+        "TRIO_INFER_FAKE_STEP_MS": str(args.step_ms),
         # Room for every stream at once: the front end is measured, not admission control.
         "TRIO_INFER_MAX_RUNNING": str(top),
         "TRIO_INFER_MAX_WAITING": str(max(256, 2 * top)),

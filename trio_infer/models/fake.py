@@ -11,6 +11,8 @@ Everything else (scheduler, allocator, runtime, HTTP) runs unchanged on top of i
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from trio_infer.engine.forward_batch import ForwardBatch
@@ -35,6 +37,7 @@ class FakeModel:
         max_model_len: int = 4096,
         eos_token_id: int = 0,
         name: str = "fake",
+        step_s: float = 0.0,
     ) -> None:
         self.info = ModelInfo(
             name=name,
@@ -48,7 +51,11 @@ class FakeModel:
             eos_token_ids=(eos_token_id,),
         )
         self.eos_token_id = eos_token_id
-        self.instant = True  # the runtime may run its steps inline, without a worker thread
+        # With a simulated step time each forward takes step_s of wall time (a sleep, which holds
+        # no GIL, like a torch forward) and the runtime runs it in its worker thread; without one
+        # the model is instant and the runtime may run its steps inline.
+        self.step_s = step_s
+        self.instant = step_s == 0
 
     def next_token(self, token_ids: list[int]) -> int:
         return expected_next_token(token_ids, self.info.vocab_size, self.eos_token_id)
@@ -56,7 +63,14 @@ class FakeModel:
     def forward(
         self, batch: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
     ) -> torch.Tensor:
-        k_cache = k_caches[0]
+        started = time.perf_counter()
+        logits = self._forward(batch, k_caches[0])
+        remaining = self.step_s - (time.perf_counter() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+        return logits
+
+    def _forward(self, batch: ForwardBatch, k_cache: torch.Tensor) -> torch.Tensor:
         page_size = k_cache.shape[1]
         flat = k_cache.view(-1)
         terms = (batch.input_ids * (batch.positions + 1)) % _MOD

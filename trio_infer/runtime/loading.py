@@ -52,6 +52,7 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
             vocab_size=len(tokenizer),
             eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
             name=settings.served_model_name or FAKE_MODEL,
+            step_s=settings.fake_step_ms / 1000,
         )
         return Engine(model, config, device="cpu"), tokenizer
 
