@@ -141,35 +141,27 @@ def _serve_main(args: argparse.Namespace) -> int:
 async def generate(
     settings: Settings, prompt: str, max_tokens: int, temperature: float, seed: int | None
 ) -> dict[str, Any]:
-    """One completion through the public library API (``open_engine`` / ``generate``)."""
+    """One completion through the public library API (``open_engine``, the text stream)."""
     from trio_infer.engine.params import SamplingParams
-    from trio_infer.runtime.detokenizer import IncrementalDetokenizer
-    from trio_infer.runtime.engine_actor import open_engine
-    from trio_infer.runtime.loading import build_engine
+    from trio_infer.runtime.client import open_engine
+    from trio_infer.runtime.loading import build_tokenizer
+    from trio_infer.runtime.text_stream import open_text_stream
 
-    engine, tokenizer = await trio.to_thread.run_sync(build_engine, settings)
+    tokenizer = await trio.to_thread.run_sync(build_tokenizer, settings)
     prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=True))
-    limit = engine.max_model_len
-    if not prompt_ids or len(prompt_ids) + max_tokens > limit:
-        raise SystemExit(
-            f"error: the prompt ({len(prompt_ids)} tokens) plus --max-tokens {max_tokens} does not "
-            f"fit the context ({limit} tokens)"
-        )
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-    token_ids: list[int] = []
-    text: list[str] = []
-    finish: str | None = None
-    async with open_engine(settings, engine) as async_engine:
-        async with async_engine.generate(prompt_ids, [params]) as stream:
-            async for outputs in stream:
-                for out in outputs:
-                    token_ids.extend(out.token_ids)
-                    ids = [t for t in out.token_ids if t != out.stop_token_id]
-                    text.append(detok.add(ids))
-                    finish = out.finish_reason or finish
-    text.append(detok.flush())
-    return {"text": "".join(text), "token_ids": token_ids, "finish_reason": finish}
+    async with open_engine(settings) as engine:
+        limit = engine.max_model_len
+        if not prompt_ids or len(prompt_ids) + max_tokens > limit:
+            raise SystemExit(
+                f"error: the prompt ({len(prompt_ids)} tokens) plus --max-tokens {max_tokens} does "
+                f"not fit the context ({limit} tokens)"
+            )
+        async with open_text_stream(engine, tokenizer, prompt_ids, [params]) as text:
+            async for _ in text:
+                pass
+    choice = text.choices[0]
+    return {"text": choice.text, "token_ids": choice.token_ids, "finish_reason": choice.finish_reason}
 
 
 def _generate_main(args: argparse.Namespace) -> int:

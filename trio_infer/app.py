@@ -1,19 +1,20 @@
 """The quart-trio application: ``hypercorn trio_infer.app:app --worker-class trio``.
 
 ``create_app(settings)`` builds an app; the module-level ``app`` is built from the environment
-(``TRIO_INFER_*``). Building is cheap: the model is loaded in ``before_serving`` (in a worker
-thread), and the engine actor runs in ``app.nursery`` for the app's lifetime through the public
-library API (:func:`~trio_infer.runtime.engine_actor.open_engine`).
+(``TRIO_INFER_*``). Building is cheap: at startup (``before_serving``) the app loads the tokenizer
+(in a thread) and starts the batching worker, a child process that loads the model, through the
+public library API (:func:`~trio_infer.runtime.client.open_engine`) in an ``app.nursery`` task.
 
-Lifecycle of the engine inside the app:
+Lifecycle of the worker inside the app:
 
-* startup: load (thread) -> ``open_engine`` in an ``app.nursery`` task -> serving.
-* the actor crashes: it marks itself unhealthy and fails every session (it never lets the error
-  escape into ``app.nursery``, which would leave the server up but deaf: trap 7); ``/health`` and
-  new requests answer 503.
+* startup: tokenizer (thread) -> ``open_engine``: the worker process starts, loads the model and
+  says hello -> serving. A model that fails to load fails the startup with its error.
+* the worker dies (crash, OOM kill, ``kill -9``): every live request ends at once with an error
+  (error event or 503), ``/health`` and new requests answer 503, and the worker is restarted
+  (bounded, logged); then the server serves again.
 * shutdown: ``after_serving`` drains (new requests 503) and ends every live session with an error,
-  then the app nursery's cancellation stops the actor. :func:`drain` gives running requests a
-  grace period first; ``python -m trio_infer serve`` calls it on SIGTERM/SIGINT.
+  then the app nursery's cancellation closes the pipe and reaps the worker. :func:`drain` gives
+  running requests a grace period first; ``python -m trio_infer serve`` calls it on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -25,35 +26,25 @@ import trio
 from quart_trio import QuartTrio
 
 from trio_infer.api.errors import register_error_handlers
+from trio_infer.api.plans import ModelLimits
+from trio_infer.api.render import TokenText
 from trio_infer.api.routes import register_routes
-from trio_infer.api.scope import RequestScopeMiddleware
-from trio_infer.api.serving import ModelLimits, TokenText
-from trio_infer.api.state import EngineBuilder, ServerState, server_state
+from trio_infer.api.state import ServerState, server_state
 from trio_infer.engine.engine import Engine
 from trio_infer.metrics import Metrics
-from trio_infer.runtime.engine_actor import EngineUnavailable, open_engine
+from trio_infer.runtime.client import open_engine
+from trio_infer.runtime.errors import EngineUnavailable
 from trio_infer.settings import Settings
 
 log = logging.getLogger(__name__)
 
-def _default_builder(settings: Settings) -> "tuple[Engine, Any]":
-    from trio_infer.runtime.loading import build_engine
 
-    return build_engine(settings)
-
-
-def create_app(
-    settings: Settings | None = None,
-    *,
-    build: EngineBuilder | None = None,
-    loaded: "tuple[Engine, Any] | None" = None,
-) -> QuartTrio:
+def create_app(settings: Settings | None = None, *, loaded: "tuple[Engine, Any] | None" = None) -> QuartTrio:
     """A new app serving ``settings``.
 
-    The model is loaded at startup by ``build(settings) -> (Engine, tokenizer)`` in a worker
-    thread (default: :func:`trio_infer.runtime.loading.build_engine`). A program that already
-    holds an engine and its tokenizer passes them as ``loaded`` instead (no thread; tests under a
-    mock clock rely on that).
+    By default the model is loaded by a batching worker process at startup. A program that holds
+    an engine and its tokenizer already passes them as ``loaded``: the engine then runs behind the
+    same protocol in a task of this process (tests under a mock clock rely on that).
     """
     settings = settings if settings is not None else Settings()
     app = QuartTrio(__name__)
@@ -64,9 +55,8 @@ def create_app(
         # wait 5 s for it at every shutdown (trap 10).
         BACKGROUND_TASK_SHUTDOWN_TIMEOUT=None,
     )
-    state = ServerState(settings, Metrics(), build or _default_builder)
+    state = ServerState(settings, Metrics())
     app.extensions["trio_infer"] = state
-    app.asgi_app = RequestScopeMiddleware(app.asgi_app)  # type: ignore[method-assign]
     register_error_handlers(app)
     register_routes(app)
 
@@ -75,14 +65,16 @@ def create_app(
         if loaded is not None:
             engine, tokenizer = loaded
         else:
-            engine, tokenizer = await trio.to_thread.run_sync(state.build, settings)
+            from trio_infer.runtime.loading import build_tokenizer
+
+            engine, tokenizer = None, await trio.to_thread.run_sync(build_tokenizer, settings)
         state.tokenizer = tokenizer
         state.texts = TokenText(tokenizer)
         state.engine = await app.nursery.start(_run_engine, state, engine)
         info = state.engine.info
         state.limits = ModelLimits(
             name=settings.served_model_name or info.name,
-            max_model_len=state.engine.max_model_len,
+            max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
             max_n=settings.max_n,
         )
@@ -91,7 +83,7 @@ def create_app(
     @app.after_serving
     async def _stop_engine() -> None:
         # In-flight requests have drained or been cancelled by now; end whatever is left with an
-        # explicit error rather than silence, then the app nursery's cancellation stops the actor.
+        # explicit error rather than silence, then the app nursery's cancellation stops the worker.
         if state.engine is not None:
             state.engine.begin_drain()
             state.engine.abort_all(EngineUnavailable("the server is shutting down"))
@@ -100,7 +92,7 @@ def create_app(
 
 
 async def _run_engine(
-    state: ServerState, engine: Engine, *, task_status: Any = trio.TASK_STATUS_IGNORED
+    state: ServerState, engine: Engine | None, *, task_status: Any = trio.TASK_STATUS_IGNORED
 ) -> None:
     async with open_engine(state.settings, engine, state.metrics) as async_engine:
         task_status.started(async_engine)

@@ -36,10 +36,19 @@ class Settings(BaseSettings):
     kv_cache_mb: int = Field(256, ge=1, description="Memory budget for the KV page pool.")
     max_running: int = Field(32, ge=1, description="Sequences decoded together at most.")
     max_batched_tokens: int = Field(256, ge=1, description="Tokens per step (chunked prefill).")
-    max_waiting: int = Field(256, ge=0, description="Queued requests before new ones get 503.")
+    max_waiting: int = Field(
+        256, ge=0, description="Sequences without a first token yet before new requests get 503."
+    )
     torch_threads: int = Field(
         0, ge=0, description="torch intra-op threads; 0 = leave one core to the event loop."
     )
+
+    worker_max_restarts: int = Field(
+        5, ge=0, description="Restarts of a batching worker that keeps dying before giving up "
+        "(the count starts again once a worker stays up worker_restart_window_s).",
+    )
+    worker_restart_window_s: float = Field(60.0, gt=0)
+    worker_restart_delay_s: float = Field(1.0, ge=0, description="Pause before a restart.")
 
     # -- requests -----------------------------------------------------------------------------
     channel_capacity: int = Field(

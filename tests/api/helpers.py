@@ -73,8 +73,8 @@ class StepGate:
     """
 
     def __init__(self, app) -> None:  # type: ignore[no-untyped-def]
-        self.async_engine = state(app).engine
-        engine = self.async_engine.engine
+        self.connection = state(app).engine.connection  # the in-process worker
+        engine = self.connection.core.engine
         self._schedule = engine.schedule
         self.budget: float = math.inf
         self.steps = 0
@@ -94,16 +94,18 @@ class StepGate:
 
     def allow(self, n: float = math.inf) -> None:
         self.budget = n
-        self.async_engine._wake()
+        self.connection.nudge()
 
 
 def counts(app) -> dict[str, int]:  # type: ignore[no-untyped-def]
     """What must be zero when nothing is in flight (BRIEF invariant 1), from the engine and from
     the /metrics gauges' underlying values. KV pages kept by the prefix cache are not counted."""
     st = state(app)
-    ae, e, m = st.engine, st.engine.engine, st.metrics
+    ae, m = st.engine, st.metrics
+    e = ae.connection.core.engine
     return {
         "sessions": ae.num_sessions,
+        "live_uids": len(ae.live_uids()),
         "engine_requests": e.num_requests,
         "running": e.num_running,
         "waiting": e.num_waiting,

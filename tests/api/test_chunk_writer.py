@@ -8,7 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trio_infer.api import sse
-from trio_infer.api.serving import ChunkWriter, Delta, Plan
+from trio_infer.api.plans import Plan
+from trio_infer.api.render import ChunkWriter
+from trio_infer.runtime.text_stream import ChoiceDelta
 
 
 def plan(kind: str, include_usage: bool, n: int = 2) -> Plan:
@@ -35,8 +37,8 @@ def plan(kind: str, include_usage: bool, n: int = 2) -> Plan:
 )
 def test_fast_chunks_are_byte_identical_to_the_generic_encoding(kind, include_usage, index, text, finish) -> None:
     writer = ChunkWriter(plan(kind, include_usage), texts=None)  # type: ignore[arg-type]
-    delta = Delta(text, [], finish)
-    fast = writer.delta(index, delta)
+    delta = ChoiceDelta(index, text, [], finish)
+    fast = writer.delta(delta)
     if not text and finish is None:
         assert fast is None
         return

@@ -22,7 +22,8 @@ import trio.testing
 from trio.testing import wait_all_tasks_blocked
 
 import trio_infer.api.routes as routes
-import trio_infer.api.serving as serving
+import trio_infer.api.render as render
+import trio_infer.runtime.text_stream as text_stream
 from trio_infer.app import drain
 from trio_infer.models.fake import FakeModel
 from trio_infer.models.synthetic import IM_END
@@ -141,12 +142,8 @@ async def test_disconnect_while_queued_leaves_the_queue(tokenizer, autojump_cloc
 async def test_disconnect_before_the_body_starts_still_ends_the_session(tokenizer, autojump_clock, monkeypatch) -> None:
     """Between the handler's return and the first body byte, Quart awaits the
     ``http.response.start`` send. A client gone right then cancels the request before the body
-    generator ever runs, so only the request-scope middleware can end the session (G1)."""
-    # Keep the request's exit stack alive, as a reference cycle would: otherwise CPython's
-    # refcounting may finalize the abandoned session early and hide a missing cleanup.
-    kept: list[Any] = []
-    real_stack = routes.request_exit_stack
-    monkeypatch.setattr(routes, "request_exit_stack", lambda: kept.append(real_stack()) or kept[-1])
+    generator ever runs: the session is entered in the body, so none exists yet and nothing is
+    left behind (G1)."""
     app = make_app(tokenizer)
     async with running(app):
         body = json.dumps(chat_body(stream=True, **LONG)).encode()
@@ -175,7 +172,7 @@ async def test_disconnect_before_the_body_starts_still_ends_the_session(tokenize
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(app, scope, receive, send)
                 await sent.wait()
-                assert counts(app)["sessions"] == 1
+                assert counts(app)["sessions"] == 0  # admitted, but no session before the body
                 gone.set()  # the client disconnects before any body byte was sent
             await wait_all_tasks_blocked()
             assert all_zero(app), counts(app)
@@ -186,16 +183,16 @@ async def test_disconnect_before_the_body_starts_still_ends_the_session(tokenize
 
 async def test_detokenizer_and_stop_state_die_with_the_request(tokenizer, autojump_clock, monkeypatch) -> None:
     made: list[weakref.ref] = []
-    real = serving.new_choices
+    real = text_stream.TextStream.__init__
 
-    def tracking(plan, tok):  # type: ignore[no-untyped-def]
-        choices = real(plan, tok)
-        made.extend(weakref.ref(c) for c in choices)
-        made.extend(weakref.ref(c.detokenizer) for c in choices)
-        made.extend(weakref.ref(c.stops) for c in choices)
-        return choices
+    def tracking(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        real(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+        made.extend(weakref.ref(c) for c in self.choices)
+        made.extend(weakref.ref(c.detokenizer) for c in self.choices)
+        made.extend(weakref.ref(c.stops) for c in self.choices)
 
-    monkeypatch.setattr("trio_infer.api.routes.new_choices", tracking)
+    monkeypatch.setattr(text_stream.TextStream, "__init__", tracking)
     app = make_app(tokenizer)
     async with running(app) as client:
         gate = StepGate(app)
@@ -310,11 +307,11 @@ async def test_a_failing_step_fails_its_requests_and_the_server_goes_on(tokenize
             assert metric(text, "trio_infer_requests_total", 'finish_reason="error"') == 1
 
 
-async def test_a_crashed_engine_actor_fails_requests_and_turns_health_503(tokenizer, autojump_clock) -> None:
+async def test_a_crashed_worker_fails_requests_and_turns_health_503(tokenizer, autojump_clock) -> None:
     """Trap 7: an app.nursery task that dies must not leave the server up but deaf."""
     app = make_app(tokenizer)
     async with running(app) as client:
-        engine = state(app).engine.engine
+        engine = state(app).engine.connection.core.engine
         real, calls = engine.schedule, [0]
 
         def crash_on_third():  # type: ignore[no-untyped-def]
@@ -338,15 +335,15 @@ async def test_a_crashed_engine_actor_fails_requests_and_turns_health_503(tokeni
 async def test_unexpected_error_mid_stream_becomes_an_error_event(tokenizer, autojump_clock, monkeypatch) -> None:
     """Trap 6: an exception after the first byte must not truncate the body."""
     calls = [0]
-    real = serving.ChunkWriter.delta
+    real = render.ChunkWriter.delta
 
-    def flaky(self, index, delta):  # type: ignore[no-untyped-def]
+    def flaky(self, delta):  # type: ignore[no-untyped-def]
         calls[0] += 1
         if calls[0] == 2:
             raise ValueError("formatting bug")
-        return real(self, index, delta)
+        return real(self, delta)
 
-    monkeypatch.setattr(serving.ChunkWriter, "delta", flaky)
+    monkeypatch.setattr(render.ChunkWriter, "delta", flaky)
     app = make_app(tokenizer)
     async with running(app) as client:
         with trio.fail_after(60):

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from quart import Quart, g
 from werkzeug.exceptions import HTTPException
 
-from trio_infer.runtime.engine_actor import (
+from trio_infer.runtime.errors import (
     EngineError,
     EngineOverloaded,
     EngineUnavailable,

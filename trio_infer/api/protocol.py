@@ -1,7 +1,7 @@
 """Request models of the OpenAI-compatible API, and the rules for fields we do not support.
 
 Validation is strict (``"10"`` is not an integer, ``1`` is not a boolean) and complete: a request
-that passes here and the checks in :mod:`trio_infer.api.serving` is one the engine can serve, so
+that passes here and the checks in :mod:`trio_infer.api.plans` is one the engine can serve, so
 nothing can fail "later" for a reason the client could have been told up front.
 
 Unknown fields are never silently ignored. A field of the OpenAI API that this server does not
@@ -126,7 +126,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     # A string or token ids. A list holding one of those is the same prompt; longer lists
-    # (batches) are rejected in serving.py with a clear message.
+    # (batches) are rejected in plans.py with a clear message.
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None

@@ -1,14 +1,15 @@
-"""The HTTP routes. Handlers translate only: parse, plan (serving.py), run a session, format.
+"""The HTTP routes. Handlers only validate (plans.py) and render (render.py); a request's text
+comes from its :class:`~trio_infer.runtime.text_stream.TextStream`.
 
 Where a request's state lives and when it dies:
 
-* non-streaming: ``async with engine.generate(...)`` inside the handler. A client disconnect
+* non-streaming: ``async with open_text_stream(...)`` inside the handler. A client disconnect
   cancels the handler (quart-trio cancels the request's nursery), which leaves the block, which
   aborts the request in the engine (G2).
-* streaming: the handler enters the session into the request's exit stack (scope.py) *before*
-  returning, so admission errors (503 queue full, draining) are still real HTTP statuses; the body
-  generator closes the stack when the stream ends, and the ASGI middleware closes it in every
-  other case, including a disconnect before the body started.
+* streaming: the handler checks admission before the response starts (503 is still a status),
+  and the body generator enters the session: leaving the generator for any reason (end,
+  disconnect, cancellation) leaves the block. A client gone before the body started never
+  entered a session, so there is nothing to clean up.
 """
 
 from __future__ import annotations
@@ -33,23 +34,18 @@ from trio_infer.api.protocol import (
     TokenizeRequest,
     check_fields,
 )
-from trio_infer.api.scope import close_quietly, request_exit_stack
-from trio_infer.api.state import ServerState, server_state
-from trio_infer.api.serving import (
-    ChunkWriter,
-    Delta,
+from trio_infer.api.plans import (
     Plan,
-    chat_response,
     check_model,
     check_token_ids,
-    completion_response,
-    group_by_choice,
-    new_choices,
     plan_chat,
     plan_completion,
     render_chat,
 )
-from trio_infer.runtime.engine_actor import EngineError
+from trio_infer.api.render import ChunkWriter, chat_response, completion_response
+from trio_infer.api.state import ServerState, server_state
+from trio_infer.runtime.errors import EngineError
+from trio_infer.runtime.text_stream import open_text_stream
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +106,7 @@ def register_routes(app: Quart) -> None:
         if engine is None:
             reason = "the model is loading"
         elif not engine.healthy:
-            reason = "the engine has stopped"
+            reason = "the batching worker is not running (it is restarting, or has stopped)"
         elif engine.draining:
             reason = "the server is shutting down"
         else:
@@ -184,87 +180,45 @@ async def _serve(state: ServerState, plan: Plan) -> Response:
 
 
 async def _complete(state: ServerState, plan: Plan) -> Response:
-    choices = new_choices(plan, state.tokenizer)
-    async with state.engine.generate(plan.prompt_ids, plan.params) as stream:
-        async for outputs in stream:
-            for index, group in group_by_choice(outputs).items():
-                choices[index].consume(group)
-                if choices[index].finished:
-                    stream.finish(index)  # a stop string may end it before the engine does
-            if all(c.finished for c in choices):
-                break  # a stop string can end the last choice before the engine does
-    if not all(c.finished for c in choices):
-        raise APIError(500, "The engine ended the request without finishing it.", SERVER_ERROR)
+    async with open_text_stream(
+        state.engine, state.tokenizer, plan.prompt_ids, plan.params, plan.stop
+    ) as text:
+        async for _ in text:
+            pass
     build = chat_response if plan.kind == "chat" else completion_response
-    return json_response(build(plan, choices, state.texts))
+    return json_response(build(plan, text.choices, state.texts))
 
 
 async def _stream(state: ServerState, plan: Plan) -> Response:
-    stack = request_exit_stack()
-    # Entering may raise EngineOverloaded / EngineUnavailable: still a proper HTTP status.
-    stream = await stack.enter_async_context(state.engine.generate(plan.prompt_ids, plan.params))
-    choices = new_choices(plan, state.tokenizer)
+    # Admission before the response starts: a full queue or a draining server is still a real
+    # HTTP status (503), not an error event. The session itself is entered in the body, so a
+    # client that leaves before the body starts leaves nothing behind.
+    state.engine.check_admission(plan.n)
+    engine, tokenizer, interval = state.engine, state.tokenizer, state.settings.stream_interval
     writer = ChunkWriter(plan, state.texts)
-    interval = state.settings.stream_interval
-    single = plan.n == 1
 
     async def body():  # type: ignore[no-untyped-def]
         # Trap 5: no `request` in here; everything needed was captured above.
-        # stream_interval > 1: a choice's text waits until it has `interval` new tokens (its first
-        # token and its end go out at once), merged into one chunk.
-        held: list[Delta | None] = [None] * plan.n
-        sent_tokens = [0] * plan.n
         try:
-            try:
-                first = "".join(writer.first())
-                if first:
-                    yield first
-                async for outputs in stream:
-                    events = []
-                    # One choice (the usual case): every output is choice 0's, no grouping.
-                    groups = ((0, outputs),) if single else group_by_choice(outputs).items()
-                    for index, group in groups:
-                        choice = choices[index]
-                        delta = choice.consume(group)
-                        if delta is None:
-                            continue  # finished earlier (a stop string): later outputs dropped
-                        if choice.finish_reason is not None:
-                            stream.finish(index)
-                        if interval > 1:
-                            if held[index] is not None:
-                                delta = held[index].merge(delta)
-                            sent = sent_tokens[index]
-                            if (
-                                sent
-                                and choice.finish_reason is None
-                                and choice.num_tokens - sent < interval
-                            ):
-                                held[index] = delta
-                                continue
-                            held[index] = None
-                            sent_tokens[index] = choice.num_tokens
-                        event = writer.delta(index, delta)
-                        if event is not None:
-                            events.append(event)
+            first = "".join(writer.first())
+            if first:
+                yield first
+            async with open_text_stream(
+                engine, tokenizer, plan.prompt_ids, plan.params, plan.stop, interval
+            ) as text:
+                async for deltas in text:
+                    # One write per read of the stream, whatever it held (trio-stack §6).
+                    events = [e for e in map(writer.delta, deltas) if e is not None]
                     if events:
-                        # One write per read of the stream, whatever it held (trio-stack §6).
                         yield events[0] if len(events) == 1 else "".join(events)
-                    if all(c.finish_reason is not None for c in choices):
-                        break
-                if not all(c.finished for c in choices):
-                    raise RuntimeError("the engine ended the request without finishing it")
-                tail = sse.event(writer.usage_chunk(choices)) if plan.include_usage else ""
-                tail += sse.DONE
-            except EngineError as exc:
-                # Trap 6: an error after the first byte becomes an event, never a cut body.
-                tail = sse.error_event(from_engine_error(exc))
-            except Exception:
-                log.exception("error while streaming a response")
-                tail = sse.error_event(internal_error())
-        finally:
-            # Ends the session (a no-op if it already ended). Shielded: under Cancelled or
-            # GeneratorExit an unshielded await would raise at once (trap 4).
-            await close_quietly(stack)
+            tail = sse.event(writer.usage_chunk(text.choices)) if plan.include_usage else ""
+            tail += sse.DONE
+        except EngineError as exc:
+            # Trap 6: an error after the first byte becomes an event, never a cut body.
+            tail = sse.error_event(from_engine_error(exc))
+        except Exception:
+            log.exception("error while streaming a response")
+            tail = sse.error_event(internal_error())
         yield tail
 
     response = await make_response(body(), 200, sse.HEADERS)

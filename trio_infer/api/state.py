@@ -4,25 +4,22 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from quart import Quart
 
 from trio_infer.api.errors import SERVER_ERROR, APIError
-from trio_infer.api.serving import ModelLimits, TokenText
+from trio_infer.api.plans import ModelLimits
+from trio_infer.api.render import TokenText
 from trio_infer.metrics import Metrics
-from trio_infer.runtime.engine_actor import AsyncEngine
+from trio_infer.runtime.client import AsyncEngine
 from trio_infer.settings import Settings
-
-# settings -> (trio_infer.engine.engine.Engine, tokenizer); slow, runs in a worker thread.
-EngineBuilder = Callable[[Settings], "tuple[Any, Any]"]
 
 
 @dataclass
 class ServerState:
     settings: Settings
     metrics: Metrics
-    build: EngineBuilder
     engine: AsyncEngine | None = None
     tokenizer: Any = None
     limits: ModelLimits | None = None

@@ -54,6 +54,19 @@ class RequestOutput:
     num_output_tokens: int
 
 
+@dataclass(frozen=True)
+class EngineStatistics:
+    """The engine's gauges and counters, for whoever reports them (see :meth:`Engine.statistics`)."""
+
+    running: int  # sequences admitted (holding KV pages)
+    waiting: int  # sequences queued or preempted
+    pages_used: int
+    pages_cached: int  # held by the prefix cache (some may be in use by running requests too)
+    pages_total: int
+    prefix_queries: int  # prompt tokens looked up in the prefix cache, since start
+    prefix_hits: int  # of which served from it
+
+
 @dataclass
 class StepPlan:
     schedule: Schedule
@@ -206,6 +219,17 @@ class Engine:
         return self.commit(plan, self.execute(plan))
 
     # -- introspection --------------------------------------------------------------------------
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            pages_used=self.pool.num_used,
+            pages_cached=self.num_cached_pages,
+            pages_total=self.pool.num_pages,
+            prefix_queries=self.scheduler.prefix_queries,
+            prefix_hits=self.scheduler.prefix_hits,
+        )
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)

@@ -29,8 +29,25 @@ def resolve_device(settings: Settings) -> str:
     return settings.device
 
 
-def build_engine(settings: Settings) -> tuple[Engine, Any]:
-    """Load the model and tokenizer named by the settings (slow: run it off the event loop)."""
+def build_tokenizer(settings: Settings) -> Any:
+    """The tokenizer of the model the settings name (the front end needs it; the worker only for
+    the fake model, whose vocabulary is the tokenizer's)."""
+    from trio_infer.models.loader import load_tokenizer
+
+    if settings.model == FAKE_MODEL:
+        from trio_infer.models.synthetic import build_tokenizer as build_fake_tokenizer
+
+        tok_dir = settings.cache_dir / "fake-tokenizer"
+        if not (tok_dir / "tokenizer.json").exists():
+            build_fake_tokenizer(tok_dir)
+        return load_tokenizer(tok_dir)
+    from trio_infer.models.loader import resolve_model_path
+
+    return load_tokenizer(resolve_model_path(settings.model, settings.cache_dir))
+
+
+def build_engine(settings: Settings) -> Engine:
+    """Load the model the settings name into an engine (slow: the worker process does it)."""
     configure_torch_threads(settings)
     device = resolve_device(settings)
     config = EngineConfig(
@@ -41,24 +58,19 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
     )
     if settings.model == FAKE_MODEL:
         from trio_infer.models.fake import FakeModel
-        from trio_infer.models.loader import load_tokenizer
-        from trio_infer.models.synthetic import build_tokenizer
 
-        tok_dir = settings.cache_dir / "fake-tokenizer"
-        if not (tok_dir / "tokenizer.json").exists():
-            build_tokenizer(tok_dir)
-        tokenizer = load_tokenizer(tok_dir)
+        tokenizer = build_tokenizer(settings)
         model = FakeModel(
             vocab_size=len(tokenizer),
             eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
             name=settings.served_model_name or FAKE_MODEL,
             step_s=settings.fake_step_ms / 1000,
         )
-        return Engine(model, config, device="cpu"), tokenizer
+        return Engine(model, config, device="cpu")
 
-    from trio_infer.models.loader import load_model, load_tokenizer, resolve_model_path
+    from trio_infer.models.loader import load_model, resolve_model_path
 
     path = resolve_model_path(settings.model, settings.cache_dir)
     dtype = None if settings.dtype == "auto" else _DTYPES[settings.dtype]
     model = load_model(path, dtype=dtype, device=device, served_name=settings.served_model_name)
-    return Engine(model, config, device=device), load_tokenizer(path)
+    return Engine(model, config, device=device)

@@ -1,4 +1,5 @@
-"""The engine actor and sessions: every way a request can end leaves nothing behind."""
+"""The front end's engine and its sessions, over an in-process worker task: every way a request
+can end leaves nothing behind, on either side of the protocol."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from trio_infer.engine.engine import Engine, EngineConfig
 from trio_infer.engine.params import SamplingParams
 from trio_infer.metrics import Metrics
 from trio_infer.models.fake import FakeModel
-from trio_infer.runtime.engine_actor import (
-    AsyncEngine,
+from trio_infer.runtime.client import AsyncEngine, open_engine
+from trio_infer.runtime.errors import (
     EngineOverloaded,
     EngineUnavailable,
     RequestFailed,
     RequestStalled,
-    open_engine,
 )
+from trio_infer.runtime.transport import open_worker_task
 from trio_infer.settings import Settings
 
 VOCAB = 101
@@ -43,10 +44,14 @@ def settings(**kw) -> Settings:
     return Settings(**{"channel_capacity": 4, "stall_timeout_s": 5.0, **kw})
 
 
-def assert_clean(ae: AsyncEngine) -> None:
-    e = ae.engine
-    assert ae.num_sessions == 0 and not ae._by_uid
-    assert e.num_requests == e.num_running == e.num_waiting == e.num_request_pages == 0
+async def assert_clean(ae: AsyncEngine, e: Engine | None) -> None:
+    """Nothing left on the front end's side; with ``e``, once the worker has applied what was
+    sent to it (messages cross asynchronously), nothing left in the engine either."""
+    assert ae.num_sessions == 0 and not ae.live_uids()
+    if e is not None:
+        await trio.testing.wait_all_tasks_blocked()
+        assert ae.connection.core.live_uids == []
+        assert e.num_requests == e.num_running == e.num_waiting == e.num_request_pages == 0
 
 
 async def collect(ae: AsyncEngine, prompt: list[int], params: list[SamplingParams]) -> dict:
@@ -73,7 +78,7 @@ async def test_concurrent_requests_get_exact_outputs(autojump_clock) -> None:
             outs = results[i][0]
             assert [t for o in outs for t in o.token_ids] == expected(model, p, 10)
             assert outs[-1].finish_reason == "length"
-        assert_clean(ae)
+        await assert_clean(ae, engine)
 
 
 async def test_n_choices_share_one_session(autojump_clock) -> None:
@@ -82,7 +87,7 @@ async def test_n_choices_share_one_session(autojump_clock) -> None:
         got = await collect(ae, [1, 2, 3], [GREEDY, GREEDY])
         assert set(got) == {0, 1}
         assert [t for o in got[0] for t in o.token_ids] == [t for o in got[1] for t in o.token_ids]
-        assert_clean(ae)
+        await assert_clean(ae, engine)
 
 
 @pytest.mark.parametrize("after", [0, 1, 3])
@@ -92,8 +97,9 @@ async def test_leaving_early_aborts_and_frees(autojump_clock, after: int) -> Non
         async with ae.generate([5] * 30, [SamplingParams(temperature=0, ignore_eos=True)]) as s:
             for _ in range(after):
                 await s.__anext__()
+            await trio.testing.wait_all_tasks_blocked()
             assert engine.num_requests == 1
-        assert_clean(ae)
+        await assert_clean(ae, engine)
         assert ae.metrics.requests_total.labels(finish_reason="abort")._value.get() == 1
 
 
@@ -101,18 +107,17 @@ async def test_cancel_while_queued_frees_the_slot(autojump_clock) -> None:
     engine = make(max_running=1)
     async with open_engine(settings(), engine=engine) as ae:
         long = SamplingParams(temperature=0, ignore_eos=True, max_tokens=50)
-        async with trio.open_nursery() as n:
-            async def first():
-                await collect(ae, [1], [long])
-            n.start_soon(first)
+        async with ae.generate([1], [long]):  # not read: paused, it keeps the only slot
             await trio.testing.wait_all_tasks_blocked()
             with trio.CancelScope() as cs:
                 async with ae.generate([2], [GREEDY]) as stream:
+                    await trio.testing.wait_all_tasks_blocked()
                     assert engine.num_waiting == 1
                     cs.cancel()
                     await stream.__anext__()
+            await trio.testing.wait_all_tasks_blocked()
             assert engine.num_waiting == 0
-        assert_clean(ae)
+        await assert_clean(ae, engine)
 
 
 async def test_slow_reader_pauses_then_resumes_exactly(autojump_clock) -> None:
@@ -131,7 +136,7 @@ async def test_slow_reader_pauses_then_resumes_exactly(autojump_clock) -> None:
                 got += [t for o in outs for t in o.token_ids]
                 await trio.sleep(1)  # a slow reader
             assert got == expected(model, [7, 7], 20)
-        assert_clean(ae)
+        await assert_clean(ae, engine)
 
 
 async def test_stalled_reader_is_aborted_after_timeout(autojump_clock) -> None:
@@ -147,7 +152,7 @@ async def test_stalled_reader_is_aborted_after_timeout(autojump_clock) -> None:
                 async for outs in stream:
                     got += outs
             assert len(got) == 2  # the buffered outputs are still delivered first
-        assert_clean(ae)
+        await assert_clean(ae, engine)
         assert ae.metrics.requests_total.labels(finish_reason="abort")._value.get() == 1
 
 
@@ -171,11 +176,11 @@ async def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(autoj
         good = await collect(ae, [1, 2], [GREEDY])
         assert len(good[0]) == 10
         assert ae.healthy
-        assert_clean(ae)
+        await assert_clean(ae, engine)
         assert ae.metrics.requests_total.labels(finish_reason="error")._value.get() == 1
 
 
-async def test_actor_crash_marks_unhealthy_and_fails_sessions(autojump_clock) -> None:
+async def test_worker_crash_marks_unhealthy_and_fails_sessions(autojump_clock) -> None:
     engine = make()
     async with open_engine(settings(), engine=engine) as ae:
         def broken():
@@ -202,7 +207,7 @@ async def test_waiting_cap_overload(autojump_clock) -> None:
                 with pytest.raises(EngineOverloaded):
                     async with ae.generate([3], [long]):
                         pass
-        assert_clean(ae)
+        await assert_clean(ae, engine)
 
 
 async def test_drain_rejects_new_and_abort_all_ends_live(autojump_clock) -> None:
@@ -217,10 +222,10 @@ async def test_drain_rejects_new_and_abort_all_ends_live(autojump_clock) -> None
             with pytest.raises(EngineUnavailable):
                 async for _ in stream:
                     pass
-        assert_clean(ae)
+        await assert_clean(ae, engine)
 
 
-async def test_shutdown_cancels_actor_and_fails_sessions(autojump_clock) -> None:
+async def test_shutdown_stops_the_worker_and_fails_sessions(autojump_clock) -> None:
     engine = make()
     errors = []
     async with trio.open_nursery() as outer:
@@ -234,9 +239,9 @@ async def test_shutdown_cancels_actor_and_fails_sessions(autojump_clock) -> None
                 except EngineUnavailable as exc:
                     errors.append(exc)
             await outer.start(reader)
-        # open_engine exited: actor cancelled, the live session got an error
+        # open_engine exited: worker stopped, the live session got an error
     assert len(errors) == 1
-    assert_clean(ae)
+    await assert_clean(ae, None)  # the worker is gone with its engine
 
 
 async def test_health_of_event_loop_while_thread_steps(autojump_clock) -> None:
@@ -244,7 +249,7 @@ async def test_health_of_event_loop_while_thread_steps(autojump_clock) -> None:
     engine = make()
     ae_settings = settings()
     async with trio.open_nursery() as n:
-        ae = AsyncEngine(engine, ae_settings, Metrics(), execute_in_thread=True)
+        ae = AsyncEngine(ae_settings, lambda: open_worker_task(engine, in_thread=True), Metrics())
         await n.start(ae.run)
         got = await collect(ae, [1, 2], [GREEDY])
         assert len(got[0]) == 10
@@ -261,7 +266,7 @@ async def test_prefix_cache_metrics(autojump_clock) -> None:
         assert m.prefix_cache_queries_total._value.get() == 34
         assert m.prefix_cache_hits_total._value.get() == 16
         assert m.kv_pages_cached._value.get() == engine.num_cached_pages > 0
-        assert_clean(ae)
+        await assert_clean(ae, engine)
 
 
 async def test_finishing_one_choice_stops_its_sequence(autojump_clock) -> None:
@@ -277,12 +282,11 @@ async def test_finishing_one_choice_stops_its_sequence(autojump_clock) -> None:
                 if len(got[0]) >= 3:
                     stream.finish(0)  # as when a stop string matched in choice 0's text
                     stream.finish(0)  # idempotent
-                    assert (stream.request_id, 0) not in engine._seqs
         assert got[1] == expected(model, [4, 5], 40)
         assert 3 <= len(got[0]) < 40
         assert ae.metrics.requests_total.labels(finish_reason="stop")._value.get() == 1
         assert ae.metrics.requests_total.labels(finish_reason="length")._value.get() == 1
-        assert_clean(ae)
+        await assert_clean(ae, engine)
 
 
 async def test_wait_sessions_done(autojump_clock) -> None:
@@ -320,7 +324,7 @@ def test_inference_mode_is_entered_in_the_worker_thread() -> None:
 
     async def main():
         async with trio.open_nursery() as n:
-            ae = AsyncEngine(engine, settings(), Metrics(), execute_in_thread=True)
+            ae = AsyncEngine(settings(), lambda: open_worker_task(engine, in_thread=True), Metrics())
             await n.start(ae.run)
             with torch.inference_mode(False), torch.enable_grad():
                 await collect(ae, [1, 2], [GREEDY])

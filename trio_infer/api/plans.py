@@ -1,0 +1,238 @@
+"""Validation: an OpenAI request in, a :class:`Plan` out, or an :class:`APIError`.
+
+Every check a client can fail happens here, once, before anything is scheduled or any byte of a
+stream is sent (gap G4): the model name, ``n``, the context length, token ids, the sampling
+parameters. Nothing here talks to the engine or awaits anything.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+from trio_infer.api.errors import APIError
+from trio_infer.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from trio_infer.engine.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What validation needs to know about the served model."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    max_n: int
+
+
+@dataclass
+class Plan:
+    """A validated request, ready for ``engine.generate(plan.prompt_ids, plan.params)``."""
+
+    kind: Literal["chat", "completion"]
+    id: str
+    created: int
+    model: str
+    prompt_ids: list[int]
+    params: list[SamplingParams]
+    stop: list[str]
+    logprobs: int | None  # None: no logprobs; k: the chosen token and k alternatives
+    stream: bool
+    include_usage: bool
+    echo_text: str | None = None  # completions with echo: the prompt, prepended to each choice
+
+    @property
+    def n(self) -> int:
+        return len(self.params)
+
+
+# -- request -> plan ------------------------------------------------------------------------------
+
+
+def check_model(requested: str | None, limits: ModelLimits) -> None:
+    if requested is not None and requested != limits.name:
+        raise APIError(
+            404,
+            f"The model `{requested}` does not exist. This server serves `{limits.name}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    """Messages -> prompt ids through the tokenizer's own chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(
+            400,
+            "This model has no chat template; use /v1/completions with a plain prompt.",
+            param="messages",
+        )
+    conversation = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in messages
+    ]
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+    except Exception as exc:  # a template may raise for conversations it does not support
+        raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
+    # The template already wrote every special token it wants (BOS included).
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def completion_prompt_ids(tokenizer: Any, prompt: Any, vocab_size: int) -> tuple[list[int], str | None]:
+    """The completions ``prompt`` -> (ids, the prompt as text when it was given as text)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(
+                400,
+                f"Batched prompts are not supported: send one prompt per request (got {len(prompt)}).",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt, add_special_tokens=True)), prompt
+    check_token_ids(prompt, vocab_size, "prompt")
+    return list(prompt), None
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(
+            400, f"Token id {bad[0]} is out of range: ids must be in [0, {vocab_size}).", param=param
+        )
+
+
+def check_context(num_prompt: int, max_tokens: int | None, limits: ModelLimits, param: str) -> None:
+    """G4: a request that cannot fit is refused before anything is scheduled."""
+    if num_prompt == 0:
+        raise APIError(400, "The prompt is empty: it must have at least one token.", param=param)
+    limit = limits.max_model_len
+    if num_prompt >= limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your prompt has "
+            f"{num_prompt} tokens, which leaves no room for a completion. Please reduce the "
+            f"length of the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and num_prompt + max_tokens > limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
+            f"completion). Please reduce the length of the prompt or the completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
+def _sampling(
+    req: ChatCompletionRequest | CompletionRequest,
+    n: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    limits: ModelLimits,
+) -> list[SamplingParams]:
+    stop_token_ids = tuple(req.stop_token_ids or ())
+    check_token_ids(stop_token_ids, limits.vocab_size, "stop_token_ids")
+    if logprobs is not None and logprobs > limits.vocab_size:
+        param = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+        raise APIError(400, f"At most {limits.vocab_size} alternatives exist for each token.", param=param)
+    common = dict(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(0, req.top_k or 0),  # -1 and 0 both disable it
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=logprobs,
+    )
+    # Choice i of a seeded request uses seed + i: the choices differ, and the whole request
+    # replays exactly with the same seed.
+    seeds = [None if req.seed is None else (req.seed + i) % 2**64 for i in range(n)]
+    try:
+        return [SamplingParams(seed=s, **common) for s in seeds]
+    except ValueError as exc:  # the pydantic bounds should already exclude this
+        raise APIError(400, str(exc)) from None
+
+
+def _common_checks(req: ChatCompletionRequest | CompletionRequest, limits: ModelLimits) -> int:
+    check_model(req.model, limits)
+    n = 1 if req.n is None else req.n
+    if n > limits.max_n:
+        raise APIError(400, f"'n' must be at most {limits.max_n} on this server (got {n}).", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(
+            400, "'stream_options' is only allowed when 'stream' is true.", param="stream_options"
+        )
+    if any(s == "" for s in req.stop_list()):
+        raise APIError(400, "Stop strings must not be empty.", param="stop")
+    return n
+
+
+def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits) -> Plan:
+    n = _common_checks(req, limits)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(
+            400, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs"
+        )
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    prompt_ids = render_chat(tokenizer, req.messages)
+    check_context(len(prompt_ids), max_tokens, limits, "messages")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return Plan(
+        kind="chat",
+        id=f"chatcmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=limits.name,
+        prompt_ids=prompt_ids,
+        params=_sampling(req, n, max_tokens, logprobs, limits),
+        stop=req.stop_list(),
+        logprobs=logprobs,
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+    )
+
+
+def plan_completion(req: CompletionRequest, tokenizer: Any, limits: ModelLimits) -> Plan:
+    n = _common_checks(req, limits)
+    if req.best_of is not None and req.best_of != n:
+        raise APIError(
+            400, "'best_of' different from 'n' is not supported by this server.", param="best_of"
+        )
+    if req.echo and req.logprobs is not None:
+        raise APIError(
+            400,
+            "'echo' together with 'logprobs' is not supported: this server does not compute "
+            "prompt logprobs.",
+            param="echo",
+        )
+    if isinstance(req.prompt, list) and not req.prompt:
+        raise APIError(400, "The prompt is empty: it must have at least one token.", param="prompt")
+    prompt_ids, prompt_text = completion_prompt_ids(tokenizer, req.prompt, limits.vocab_size)
+    check_context(len(prompt_ids), req.max_tokens, limits, "prompt")
+    echo_text = None
+    if req.echo:
+        echo_text = prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)
+    return Plan(
+        kind="completion",
+        id=f"cmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=limits.name,
+        prompt_ids=prompt_ids,
+        params=_sampling(req, n, req.max_tokens, req.logprobs, limits),
+        stop=req.stop_list(),
+        logprobs=req.logprobs,
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        echo_text=echo_text,
+    )

@@ -1,0 +1,233 @@
+"""Rendering: a request's text (``runtime.text_stream``) as OpenAI response objects and SSE.
+
+The ``*_response`` functions build whole responses; :class:`ChunkWriter` the chunks of a streamed
+one. :class:`TokenText` gives a token's text and bytes for logprobs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from trio_infer.api import sse
+from trio_infer.api.plans import Plan
+from trio_infer.engine.sampler import TokenLogprob
+from trio_infer.runtime.text_stream import ChoiceDelta, ChoiceText
+
+# JSON has no -inf; OpenAI reports "practically impossible" as this.
+_MIN_LOGPROB = -9999.0
+
+
+# -- token strings for logprobs -------------------------------------------------------------------
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """The byte <-> printable-character table of byte-level BPE (GPT-2 convention): printable
+    Latin-1 bytes stand for themselves; the others are shifted above 255."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    table, shift = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + shift)
+            shift += 1
+    return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+
+
+class TokenText:
+    """A token id's text and raw bytes, for logprobs (cached per tokenizer, bounded by vocab)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = "ByteLevel" in repr(decoder)
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._compute(token_id)
+        return hit
+
+    def _compute(self, token_id: int) -> tuple[str, bytes]:
+        text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        raw: bytes | None = None
+        if isinstance(piece, str):
+            if self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+                raw = bytes(_UNICODE_TO_BYTE[c] for c in piece)
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    raw = bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    raw = None
+        if raw is None:
+            raw = text.encode("utf-8")
+        return text, raw
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else _MIN_LOGPROB
+
+
+# -- response objects -----------------------------------------------------------------------------
+
+
+def usage(plan: Plan, choices: Sequence[ChoiceText]) -> dict[str, int]:
+    prompt = len(plan.prompt_ids)
+    completion = sum(c.num_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenText) -> dict[str, Any]:
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = texts(token_id)
+        return {"token": text, "logprob": _lp(logprob), "bytes": list(raw)}
+
+    return {
+        "content": [
+            {**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprob], texts: TokenText, offset: int
+) -> dict[str, Any]:
+    """The legacy completions format; ``offset`` is where the first token's text starts."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for e in entries:
+        text, _ = texts(e.token_id)
+        tokens.append(text)
+        token_lps.append(_lp(e.logprob))
+        tops.append({texts(t)[0]: _lp(lp) for t, lp in e.top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _head(plan: Plan, obj: str) -> dict[str, Any]:
+    return {"id": plan.id, "object": obj, "created": plan.created, "model": plan.model}
+
+
+def chat_response(plan: Plan, choices: Sequence[ChoiceText], texts: TokenText) -> dict[str, Any]:
+    return {
+        **_head(plan, "chat.completion"),
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.logprobs, texts) if plan.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage(plan, choices),
+    }
+
+
+def completion_response(plan: Plan, choices: Sequence[ChoiceText], texts: TokenText) -> dict[str, Any]:
+    echo = plan.echo_text or ""
+    return {
+        **_head(plan, "text_completion"),
+        "choices": [
+            {
+                "index": c.index,
+                "text": echo + c.text,
+                "logprobs": (
+                    completion_logprobs(c.logprobs, texts, len(echo))
+                    if plan.logprobs is not None
+                    else None
+                ),
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage(plan, choices),
+    }
+
+
+class ChunkWriter:
+    """Renders the chunks of one streamed response (chat or completions) as SSE events.
+
+    The per-token path does no dict building and no ``json.dumps`` of a whole chunk: the constant
+    head of every chunk (id, object, created, model, usage null) is rendered once per request, and
+    only the text is JSON-encoded per chunk (with the encoder ``json.dumps(ensure_ascii=False)``
+    uses, so the bytes are exactly what :func:`sse.event` of the equivalent object gives). Chunks
+    with logprobs, and the rare ones, go through the generic ``sse.event``.
+    """
+
+    def __init__(self, plan: Plan, texts: TokenText) -> None:
+        self.plan = plan
+        self.texts = texts
+        self._chat = plan.kind == "chat"
+        obj = "chat.completion.chunk" if self._chat else "text_completion"
+        self._head = _head(plan, obj)
+        if plan.include_usage:
+            self._head["usage"] = None  # OpenAI: null on every chunk but the usage one
+        self._offsets = [len(plan.echo_text or "")] * plan.n  # completions text_offset
+        # 'data: {"id":...,"model":...,"choices":[{"index":' : everything before the index.
+        head = sse.dumps(self._head)
+        self._prefix = 'data: ' + head[:-1] + ',"choices":[{"index":'
+        self._want_lp = plan.logprobs is not None
+
+    def first(self) -> list[str]:
+        """Chat: the role chunk of each choice. Completions: the echoed prompt, if any."""
+        if self._chat:
+            return [
+                sse.event(self._chunk(i, {"delta": {"role": "assistant", "content": ""}, "logprobs": None}))
+                for i in range(self.plan.n)
+            ]
+        if self.plan.echo_text:
+            return [
+                sse.event(self._chunk(i, {"text": self.plan.echo_text, "logprobs": None}))
+                for i in range(self.plan.n)
+            ]
+        return []
+
+    def delta(self, delta: ChoiceDelta) -> str | None:
+        """The event for one choice's delta, or None when there is nothing to say yet."""
+        index = delta.index
+        text = delta.text
+        finish = delta.finish_reason
+        if self._want_lp:
+            if not text and finish is None and not delta.logprobs:
+                return None  # nothing to say yet (text held back)
+            return sse.event(self._delta_object(index, delta))
+        if not text and finish is None:
+            return None
+        # The fast path: the same bytes as sse.event(self._delta_object(index, delta)).
+        if self._chat:
+            content = '{"content":' + sse.encode_str(text) + "}" if text or finish is None else "{}"
+            body = ',"delta":' + content + ',"logprobs":null,"finish_reason":'
+        else:
+            body = ',"text":' + sse.encode_str(text) + ',"logprobs":null,"finish_reason":'
+        end = "null}]}\n\n" if finish is None else sse.encode_str(finish) + "}]}\n\n"
+        return self._prefix + str(index) + body + end
+
+    def _delta_object(self, index: int, delta: ChoiceDelta) -> dict[str, Any]:
+        want_lp = self._want_lp
+        if self._chat:
+            body: dict[str, Any] = {
+                "delta": {"content": delta.text} if delta.text or delta.finish_reason is None else {},
+                "logprobs": chat_logprobs(delta.logprobs, self.texts) if want_lp else None,
+            }
+        else:
+            lp = None
+            if want_lp:
+                lp = completion_logprobs(delta.logprobs, self.texts, self._offsets[index])
+                self._offsets[index] += sum(len(t) for t in lp["tokens"])
+            body = {"text": delta.text, "logprobs": lp}
+        return self._chunk(index, body, delta.finish_reason)
+
+    def usage_chunk(self, choices: Sequence[ChoiceText]) -> dict[str, Any]:
+        return {**self._head, "choices": [], "usage": usage(self.plan, choices)}
+
+    def _chunk(self, index: int, body: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {**self._head, "choices": [{"index": index, **body, "finish_reason": finish}]}

@@ -1,0 +1,184 @@
+"""One request's text: everything from token ids to text deltas, in the request's own task.
+
+:class:`TextStream` reads a request's :class:`~trio_infer.runtime.client.GenerationStream` and
+yields, per read, the choices' text deltas: incremental detokenization, the EOS / stop token
+stripped from the text, stop strings (a match ends the choice in the engine at once), logprobs,
+``stream_interval`` (a choice's text is held until it has that many new tokens; its first token
+and its end go out at once). Its state is a few buffers per choice and dies with the request
+(gap G3); callers never see uids or raw outputs.
+
+``async with open_text_stream(engine, tokenizer, prompt_ids, params, stop) as text:`` then
+``async for deltas in text: ...``; afterwards ``text.choices`` holds each choice's whole text,
+token count and finish reason.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Sequence
+
+from trio_infer.engine.params import SamplingParams
+from trio_infer.engine.sampler import TokenLogprob
+from trio_infer.runtime.client import AsyncEngine, GenerationStream
+from trio_infer.runtime.detokenizer import IncrementalDetokenizer
+from trio_infer.runtime.protocol import Output
+from trio_infer.runtime.stop_strings import StopStringMatcher
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+
+
+@dataclass
+class ChoiceText:
+    """One choice's text so far: detokenizer, stop strings, counts."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    finish_reason: str | None = None
+    num_tokens: int = 0
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    sent_tokens: int = 0  # num_tokens when its text last went out (stream_interval)
+    held: ChoiceDelta | None = None  # text waiting for stream_interval
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def consume(self, outputs: Sequence[Output]) -> ChoiceDelta | None:
+        """Fold this read's outputs for the choice into a delta; None once it has finished (a
+        stop string may end a choice before the engine does: later outputs are dropped)."""
+        if self.finished:
+            return None
+        text_parts: list[str] = []
+        lps: list[TokenLogprob] = []
+        finish: str | None = None
+        for out in outputs:
+            ids = out.token_ids
+            lp = out.logprobs
+            self.num_tokens += len(ids)
+            self.token_ids.extend(ids)
+            if out.stop_token_id is not None and ids and ids[-1] == out.stop_token_id:
+                ids = ids[:-1]  # the EOS / stop token ends the text; it is not part of it
+                if lp:
+                    lp = lp[: len(ids)]
+            if lp:
+                lps.extend(lp)
+            piece = self.detokenizer.add(ids)
+            if out.finish_reason is not None:
+                piece += self.detokenizer.flush()
+            text_parts.append(self.stops.feed(piece))
+            if self.stops.stopped:
+                finish = "stop"
+                break
+            if out.finish_reason is not None:
+                text_parts.append(self.stops.flush())
+                finish = out.finish_reason
+                break
+        text = "".join(text_parts)
+        self.finish_reason = finish
+        self.text_parts.append(text)
+        self.logprobs.extend(lps)
+        return ChoiceDelta(self.index, text, lps, finish)
+
+    def pace(self, delta: ChoiceDelta, interval: int) -> ChoiceDelta | None:
+        """``delta`` merged with what was held, or None while it waits for ``interval`` tokens."""
+        if self.held is not None:
+            h = self.held
+            delta = ChoiceDelta(self.index, h.text + delta.text, h.logprobs + delta.logprobs,
+                                delta.finish_reason)
+        if self.sent_tokens and not self.finished and self.num_tokens - self.sent_tokens < interval:
+            self.held = delta
+            return None
+        self.held = None
+        self.sent_tokens = self.num_tokens
+        return delta
+
+
+class TextStream:
+    def __init__(
+        self,
+        stream: GenerationStream,
+        tokenizer: Any,
+        prompt_ids: list[int],
+        n: int,
+        stop: Sequence[str] = (),
+        interval: int = 1,
+    ) -> None:
+        self._stream = stream
+        self._interval = interval
+        self.choices = [
+            ChoiceText(i, IncrementalDetokenizer(tokenizer, prompt_ids), StopStringMatcher(stop))
+            for i in range(n)
+        ]
+        self.num_prompt_tokens = len(prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    def __aiter__(self) -> TextStream:
+        return self
+
+    async def __anext__(self) -> list[ChoiceDelta]:
+        """The next read's deltas (never empty): what each choice has to say now."""
+        choices, interval = self.choices, self._interval
+        while not self.finished:
+            try:
+                outputs = await self._stream.__anext__()
+            except StopAsyncIteration:
+                raise RuntimeError("the engine ended the request without finishing it") from None
+            if len(choices) == 1:  # the usual case: no grouping
+                groups: Any = ((choices[0], outputs),)
+            else:
+                by_index: dict[int, list[Output]] = {}
+                for out in outputs:
+                    by_index.setdefault(out.uid[1], []).append(out)
+                groups = ((choices[i], outs) for i, outs in by_index.items())
+            deltas = []
+            for choice, outs in groups:
+                delta = choice.consume(outs)
+                if delta is None:
+                    continue  # finished earlier (a stop string): later outputs dropped
+                if choice.finished:
+                    self._stream.finish(choice.index)  # no-op if the engine finished it
+                if interval > 1:
+                    delta = choice.pace(delta, interval)
+                    if delta is None:
+                        continue
+                if delta.text or delta.logprobs or delta.finish_reason is not None:
+                    deltas.append(delta)
+            if deltas:
+                return deltas
+        raise StopAsyncIteration
+
+
+@asynccontextmanager
+async def open_text_stream(
+    engine: AsyncEngine,
+    tokenizer: Any,
+    prompt_ids: list[int],
+    params: list[SamplingParams],
+    stop: Sequence[str] = (),
+    interval: int = 1,
+) -> AsyncIterator[TextStream]:
+    """A request's session and its text: leaving the block ends the request (see
+    :meth:`AsyncEngine.generate`)."""
+    async with engine.generate(prompt_ids, params) as stream:
+        yield TextStream(stream, tokenizer, prompt_ids, len(params), stop, interval)
