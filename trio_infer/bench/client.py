@@ -48,7 +48,9 @@ class StreamResult:
     error: str | None = None
     start: float = 0.0  # request about to be sent
     end: float = 0.0  # stream over (or failed)
-    # Arrival time of each token-carrying event: the time of the socket read that delivered it,
+    # Arrival time of each token-carrying event (one whose choices carry text: a completion's
+    # ``text`` or a chat ``delta``'s ``content``; a chat stream's opening role-only chunk and a
+    # text-less final chunk are not token events): the time of the socket read that delivered it,
     # so events that arrived in one read share a time.
     event_times: list[float] = field(default_factory=list)
     # Arrival times of the socket reads that delivered at least one token-carrying event.
@@ -62,7 +64,23 @@ class StreamResult:
 
     @property
     def output_tokens(self) -> int:
+        """The server's ``usage.completion_tokens`` when it sent a usage chunk, else the number of
+        token-carrying events (exact for a server that sends one event per token)."""
         return self.completion_tokens if self.completion_tokens is not None else len(self.event_times)
+
+
+def carries_text(choices: list[Any]) -> bool:
+    """Whether an event's ``choices`` deliver output: a non-empty completion ``text`` or chat
+    ``delta`` content (``content``, ``reasoning_content``, ``tool_calls``)."""
+    for ch in choices:
+        if not isinstance(ch, dict):
+            continue
+        if ch.get("text"):
+            return True
+        delta = ch.get("delta")
+        if delta and (delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")):
+            return True
+    return False
 
 
 def _request_headers(ep: Endpoint, body: bytes | None, api_key: str | None, accept: str) -> list[tuple[str, str]]:
@@ -175,7 +193,8 @@ async def _read_sse(stream: trio.SocketStream, ep: Endpoint, path: str, raw: byt
                     if obj.get("error") is not None:
                         res.error = f"error event: {json.dumps(obj['error'])[:200]}"
                         continue
-                    if obj.get("choices"):
+                    choices = obj.get("choices")
+                    if choices and carries_text(choices):
                         event_times.append(now)
                     usage = obj.get("usage")
                     if usage:

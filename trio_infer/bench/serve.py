@@ -1,10 +1,13 @@
 """``serve``: a streaming load generator for any OpenAI-compatible server (ours or another).
 
-Requests go to ``{base-url}/completions`` with ``stream: true``, ``max_tokens`` from
-``--output-len``, ``temperature`` 0, ``stream_options.include_usage`` and (with ``--ignore-eos``)
-the ``ignore_eos`` extension that vLLM, SGLang and trio-infer accept. Prompts are random common
-English words, about one token each with any byte-level BPE tokenizer; the token counts reported
-are the server's own (``usage``) when it sends them.
+Requests go to ``{base-url}/completions`` (``--endpoint chat``: ``{base-url}/chat/completions``
+with the prompt as one user message) with ``stream: true``, ``max_tokens`` from ``--output-len``,
+``temperature`` 0, ``stream_options.include_usage`` and (with ``--ignore-eos``) the ``ignore_eos``
+extension that vLLM, SGLang and trio-infer accept. Prompts are random common English words, about
+one token each with any byte-level BPE tokenizer. Output tokens are the server's own count
+(``usage.completion_tokens``) when it sends a usage chunk, else the number of events that carried
+text (exact for a server that sends one event per token); ``token_counts_from`` in the JSON says
+how many requests were counted each way.
 
 Arrivals are a Poisson process of ``--request-rate`` per second (``inf``: all at once), and at most
 ``--concurrency`` requests are in flight; TTFT counts from the moment a request is sent.
@@ -34,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
                    help="server root including /v1 (http:// only)")
     p.add_argument("--model", default=None, help="model id; default: the first of /v1/models")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                   help="POST /completions with a prompt, or /chat/completions with one user message")
     p.add_argument("--api-key", default=None)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=None,
@@ -77,21 +82,26 @@ async def run_load(args: argparse.Namespace) -> dict[str, Any]:
     limit = trio.Semaphore(args.concurrency or len(workload) or 1)
     arrivals = random.Random(args.seed + 1)
     results = [StreamResult() for _ in workload]
+    chat = getattr(args, "endpoint", "completions") == "chat"
+    path = "/chat/completions" if chat else "/completions"
 
     async def one(i: int, prompt: str, max_tokens: int) -> None:
-        body: dict[str, Any] = {
-            "model": model,
-            "prompt": prompt,
+        body: dict[str, Any] = {"model": model}
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        body.update({
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "stream": True,
             "stream_options": {"include_usage": True},
-        }
+        })
         if args.ignore_eos:
             body["ignore_eos"] = True
         async with limit:
             with trio.move_on_after(args.timeout) as scope:
-                await stream_sse(ep, "/completions", body, args.api_key, results[i])
+                await stream_sse(ep, path, body, args.api_key, results[i])
             if scope.cancelled_caught:
                 results[i].ok = False
                 results[i].error = f"timed out after {args.timeout:g} s"
@@ -134,6 +144,7 @@ def summarize_results(results: list[Any], t0: float, t1: float, t_unix: float, m
     return {
         "model": model,
         "base_url": args.base_url,
+        "endpoint": getattr(args, "endpoint", "completions"),
         "num_prompts": len(results),
         "concurrency": args.concurrency,
         "request_rate": args.request_rate,
@@ -145,6 +156,12 @@ def summarize_results(results: list[Any], t0: float, t1: float, t_unix: float, m
         "t_end_unix": t_unix + (t1 - t0),
         "prompt_tokens": prompt_tokens,
         "output_tokens": out_tokens,
+        # How each successful request's output tokens were counted: the server's usage chunk, or
+        # (none sent) its token-carrying events.
+        "token_counts_from": {
+            "usage": sum(1 for r in ok if r.completion_tokens is not None),
+            "events": sum(1 for r in ok if r.completion_tokens is None),
+        },
         "token_events": sum(len(r.event_times) for r in ok),
         "chunks": sum(len(r.chunk_times) for r in ok),
         "request_throughput": len(ok) / duration,
