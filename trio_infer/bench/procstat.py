@@ -6,10 +6,19 @@ thread's ``/proc/<pid>/task/<tid>/schedstat`` counts nanoseconds on the CPU. :cl
 sums the latter over every thread of the process tree and remembers the last value seen per
 thread, so a thread that exits between two samples loses only what it ran since the last sample;
 sample often (every 50-100 ms) around the window you measure.
+
+The tree is walked on every sample, so a child started after the meter (a server's worker
+process, hypercorn's worker) is counted from its start, and the tree of a shell command
+(``sh -c 'cd x && server ...'``) includes the server under the shell. Children are found through
+``/proc/<pid>/task/<tid>/children`` (Linux >= 3.5 with CONFIG_PROC_CHILDREN), else by scanning
+every ``/proc/<pid>/stat`` for its parent pid. Not counted: what a child that starts and exits
+between two samples ran, and a process that left the tree (a daemon that double-forks away and
+is re-parented to init).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -37,13 +46,46 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _tree(pid: int) -> list[int]:
-    pids, todo = [], [pid]
+@functools.cache
+def _has_children_files() -> bool:
+    me = os.getpid()
+    return Path(f"/proc/{me}/task/{me}/children").is_file()
+
+
+def _parents() -> dict[int, list[int]]:
+    """ppid -> pids, from every /proc/<pid>/stat (the fallback without ``children`` files)."""
+    out: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(text[text.rindex(")") + 2 :].split()[1])  # field 4 of proc(5)
+        out.setdefault(ppid, []).append(int(name))
+    return out
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its live descendants (children, grandchildren, ...)."""
+    if _has_children_files():
+        children = _children
+    else:
+        table = _parents()
+        children = lambda p: table.get(p, [])  # noqa: E731
+    pids, seen, todo = [], set(), [pid]
     while todo:
         p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
         pids.append(p)
-        todo.extend(_children(p))
+        todo.extend(children(p))
     return pids
+
+
+_tree = process_tree
 
 
 def thread_cpu_ns(pid: int) -> dict[tuple[int, int], int]:
@@ -69,9 +111,12 @@ class CpuMeter:
         self.pid = pid
         self._base = thread_cpu_ns(pid)
         self._last = dict(self._base)
+        self.pids_seen: set[int] = {p for p, _ in self._base}  # every process counted so far
 
     def sample(self) -> int:
-        self._last.update(thread_cpu_ns(self.pid))
+        now = thread_cpu_ns(self.pid)
+        self.pids_seen.update(p for p, _ in now)
+        self._last.update(now)
         return sum(v - self._base.get(k, 0) for k, v in self._last.items())
 
 
