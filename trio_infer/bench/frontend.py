@@ -19,6 +19,17 @@ For each concurrency (``--concurrency 1,64,256``) the load generator keeps that 
 - loadgen CPU us/token and cores busy (server + load generator CPU over the window / its length):
   with 2 cores, "cores busy" near 2 means the figures are bounded by the machine, not the server.
 - /health p99: latency of the probes sent during the load window.
+
+``--compare NAME=CMD`` (repeatable) measures another server in the same run: ``CMD`` is a shell
+command (``bash -c``) with ``{port}`` replaced by a free port, started in its own process group
+with our server's environment (plus ``NULL_ENGINE_STEP_MS`` = ``--step-ms`` unless already set),
+waited on until ``GET /health`` answers 200, measured at every level exactly like ours, then
+stopped: SIGINT to its whole process group, SIGKILL to whatever is left of the group after
+``--stop-timeout`` seconds. ``--repeats K`` interleaves: for each repetition, for each system (ours
+first, then the compared ones in order), a fresh server runs every level. The tables and JSON give
+per system per level the median of the K repetitions, and for each compared system the ratios
+ours / theirs of tok/s, keep-up, gap p99 and server CPU us/token. With ``--compare`` requests go to
+``/v1/chat/completions`` (``--endpoint``), which every OpenAI-compatible server serves.
 """
 
 from __future__ import annotations
@@ -27,12 +38,16 @@ import argparse
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +62,29 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError("concurrency levels must be >= 1")
     return values
+
+
+def _compare_spec(text: str) -> tuple[str, str]:
+    name, sep, cmd = text.partition("=")
+    name = name.strip()
+    if not sep or not name or not cmd.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=CMD, got {text!r}")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name == "ours":
+        raise argparse.ArgumentTypeError(
+            f"NAME must be letters, digits, '_', '.', '-' and not 'ours', got {name!r}")
+    if "{port}" not in cmd:
+        raise argparse.ArgumentTypeError(f"the command of {name!r} has no {{port}} to substitute")
+    return name, cmd
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,7 +106,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launcher", choices=("cli", "hypercorn"), default=None,
                    help="start the server as `python -m trio_infer serve` (cli, the default when "
                    "it exists) or as `hypercorn trio_infer.app:app --worker-class trio`")
+    p.add_argument("--compare", type=_compare_spec, action="append", default=[],
+                   metavar="NAME=CMD",
+                   help="also measure another server, started by the shell command CMD with {port} "
+                   "substituted (repeatable); see docs/benchmarks.md")
+    p.add_argument("--repeats", type=_positive_int, default=1, metavar="K",
+                   help="interleaved repetitions (each system runs every level once per "
+                   "repetition); figures are medians over the K repetitions")
+    p.add_argument("--endpoint", choices=("auto", "completions", "chat"), default="auto",
+                   help="what the load generator streams from: /v1/completions or "
+                   "/v1/chat/completions; auto = chat with --compare, else completions")
     p.add_argument("--startup-timeout", type=float, default=120.0)
+    p.add_argument("--stop-timeout", type=float, default=15.0,
+                   help="seconds a server gets to exit after SIGINT before its process group is "
+                   "killed")
     p.add_argument("--output-json", type=Path, default=None)
 
 
@@ -84,7 +135,7 @@ def default_launcher() -> str:
     return "cli" if importlib.util.find_spec("trio_infer.__main__") else "hypercorn"
 
 
-def server_command(launcher: str, step_ms: float, port: int, extra: list[str]) -> list[str]:
+def server_command(launcher: str, step_ms: float, port: int | str, extra: list[str]) -> list[str]:
     """The server process: ``--model fake`` with ``fake_step_ms`` of simulated compute per step
     (the hypercorn launcher gets both through the environment, see :func:`server_env`)."""
     if launcher == "hypercorn":
@@ -117,6 +168,99 @@ def server_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def compare_env(args: argparse.Namespace) -> dict[str, str]:
+    """A compared server's environment: ours, plus the anchor's step-time variable (set to
+    ``--step-ms`` unless the environment already has it; the command may still set its own)."""
+    env = server_env(args)
+    env.setdefault("NULL_ENGINE_STEP_MS", f"{args.step_ms:g}")
+    return env
+
+
+def endpoint_for(args: argparse.Namespace) -> str:
+    if args.endpoint != "auto":
+        return args.endpoint
+    return "chat" if args.compare else "completions"
+
+
+@dataclass
+class System:
+    """A server to measure: ours (an argv) or a compared one (a shell command with ``{port}``)."""
+
+    name: str
+    command: list[str] | str
+    env: dict[str, str]
+    model: str | None  # for the load generator; None = the first id of GET /v1/models
+
+    def argv(self, port: int) -> list[str]:
+        if isinstance(self.command, str):
+            shell = shutil.which("bash") or "/bin/sh"
+            return [shell, "-c", self.command.replace("{port}", str(port))]
+        return [part.replace("{port}", str(port)) for part in self.command]
+
+    def display(self) -> str:
+        if isinstance(self.command, str):
+            return self.command
+        return " ".join(self.command)
+
+
+def systems_for(args: argparse.Namespace) -> list[System]:
+    launcher = args.launcher or default_launcher()
+    ours = System("ours", server_command(launcher, args.step_ms, "{port}", args.server_arg),
+                  server_env(args), "fake")
+    names = [name for name, _ in args.compare]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"error: --compare names must be unique, got {names}")
+    return [ours] + [System(name, cmd, compare_env(args), None) for name, cmd in args.compare]
+
+
+def start_server(system: System, port: int, log: Path) -> subprocess.Popen:
+    """Start ``system`` on ``port`` in a new session (its own process group, led by the
+    returned process), output to ``log``."""
+    with open(log, "wb") as log_file:
+        return subprocess.Popen(system.argv(port), env=system.env, stdout=log_file,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    """SIGINT to the server's whole process group, then SIGKILL to whatever is left of the group
+    (the leader or any process it started) after ``timeout`` seconds."""
+    pgid = proc.pid  # start_new_session: the leader's pid is the group id
+    deadline = time.monotonic() + timeout
+    if proc.poll() is None:
+        try:
+            os.killpg(pgid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader, so that only live processes keep the group alive
+        if not _group_alive(pgid):
+            break
+        time.sleep(0.05)
+    if _group_alive(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + 5.0  # SIGKILL takes effect asynchronously
+        while time.monotonic() < deadline:
+            proc.poll()
+            if not _group_alive(pgid):
+                break
+            time.sleep(0.02)
+    proc.wait()
+
+
 def rounds_for(args: argparse.Namespace, concurrency: int) -> int:
     if args.rounds:
         return args.rounds
@@ -137,7 +281,15 @@ def _interp(series: list[tuple[float, int]], t: float) -> float:
     return series[-1][1]
 
 
-async def _wait_healthy(ep: Any, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+def _log_tail(log: Path) -> str:
+    try:
+        return log.read_text(errors="replace")[-4000:]
+    except OSError:
+        return "(no log)"
+
+
+async def _wait_healthy(ep: Any, proc: subprocess.Popen, timeout: float, log: Path,
+                        name: str = "ours") -> None:
     import trio
 
     from trio_infer.bench.client import request
@@ -145,8 +297,8 @@ async def _wait_healthy(ep: Any, proc: subprocess.Popen, timeout: float, log: Pa
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"error: the server exited with {proc.returncode}; its log:\n"
-                             + log.read_text()[-4000:])
+            raise SystemExit(f"error: the server {name!r} exited with {proc.returncode}; its log:\n"
+                             + _log_tail(log))
         try:
             status, _ = await request(ep, "GET", "/health")
             if status == 200:
@@ -154,18 +306,20 @@ async def _wait_healthy(ep: Any, proc: subprocess.Popen, timeout: float, log: Pa
         except OSError:
             pass
         await trio.sleep(0.2)
-    raise SystemExit(f"error: the server did not become healthy in {timeout:g} s; log: {log}")
+    raise SystemExit(f"error: the server {name!r} did not become healthy in {timeout:g} s; "
+                     f"its log:\n{_log_tail(log)}")
 
 
 async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurrency: int,
-                         workdir: Path) -> dict[str, Any]:
+                         workdir: Path, system: System | None = None, tag: str = "ours",
+                         endpoint: str = "completions") -> dict[str, Any]:
     import trio
 
     from trio_infer.bench.client import Endpoint, request
     from trio_infer.bench.procstat import CpuMeter
 
     root = Endpoint("127.0.0.1", port, "")
-    meter = CpuMeter(pid)
+    meter = CpuMeter(pid)  # the server's whole process tree, children included
     cpu: list[tuple[float, int]] = []
     probes: list[tuple[float, float]] = []  # (sent at, unix; latency s)
     probe_errors = 0
@@ -197,10 +351,12 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
             await trio.sleep(max(0.0, interval - (time.perf_counter() - t)))
 
     rounds = rounds_for(args, concurrency)
-    out_json = workdir / f"load-{concurrency}.json"
+    out_json = workdir / f"load-{tag}-{concurrency}.json"
+    model = system.model if system is not None else "fake"
     cmd = [
         sys.executable, "-m", "trio_infer.bench", "serve",
-        "--base-url", f"http://127.0.0.1:{port}/v1", "--model", "fake",
+        "--base-url", f"http://127.0.0.1:{port}/v1", *(["--model", model] if model else []),
+        "--endpoint", endpoint,
         "--num-prompts", str(concurrency * rounds), "--concurrency", str(concurrency),
         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
         "--ignore-eos", "--output-json", str(out_json), "--quiet",
@@ -211,7 +367,7 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
         idle_t0 = time.time()
         await trio.sleep(args.idle_s)
         idle_t1 = time.time()
-        err_log = workdir / f"load-{concurrency}.log"
+        err_log = workdir / f"load-{tag}-{concurrency}.log"
         with open(err_log, "wb") as err:
             loadgen = await trio.lowlevel.open_process(cmd, stdout=err, stderr=err)
             client_meter.append(CpuMeter(loadgen.pid))
@@ -219,7 +375,7 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
         await trio.sleep(0.1)  # one more CPU sample past the end
         nursery.cancel_scope.cancel()
     if returncode != 0 or not out_json.is_file():
-        raise SystemExit(f"error: the load generator failed ({returncode}):\n"
+        raise SystemExit(f"error: the load generator failed ({returncode}) against {tag}:\n"
                          + err_log.read_text(errors="replace")[-4000:])
     load = json.loads(out_json.read_text())
     t0, t1 = load["t_start_unix"], load["t_end_unix"]
@@ -238,7 +394,11 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
         "errors": load["errors"],
         "error_kinds": load["error_kinds"],
         "output_tokens": tokens,
+        "expected_output_tokens": load["completed"] * args.output_len,
+        "token_counts_from": load.get("token_counts_from", {}),
         "duration_s": load["duration_s"],
+        "t_start_unix": t0,
+        "t_end_unix": t1,
         "streamed_tok_s": tok_s,
         "keep_up": tok_s / ideal if ideal == ideal else math.nan,
         "ttft_ms": load["ttft_ms"],
@@ -249,9 +409,10 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
         "server_idle_cpu_per_s": idle_rate / 1e9,
         "server_cpu_us_per_token": net_ns / 1e3 / tokens if tokens else math.nan,
         "server_cpu_us_per_token_raw": raw_ns / 1e3 / tokens if tokens else math.nan,
+        "server_processes": len(meter.pids_seen),
         "client_cpu_us_per_token": client_ns / 1e3 / tokens if tokens else math.nan,
         "cpu_cores_busy": (raw_ns + client_ns) / 1e9 / (t1 - t0),
-        # One Python process: near 1.0 means the server itself is the bottleneck (the GIL).
+        # Near 1.0 for a single-process server means the server itself is the bottleneck (the GIL).
         "server_cores_busy": raw_ns / 1e9 / (t1 - t0),
         "health_ms": stats.summarize(during, 1e3),
         "health_probes": len(during),
@@ -259,35 +420,140 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
     }
 
 
-async def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+async def _run_system(args: argparse.Namespace, system: System, repeat: int,
+                      workdir: Path, endpoint: str) -> dict[str, Any]:
+    """Start ``system`` on a free port, run every level, stop its whole process group."""
     from trio_infer.bench.client import Endpoint
+
+    port = free_port()
+    tag = f"{system.name}-r{repeat}"
+    log = workdir / f"server-{tag}.log"
+    started = time.time()
+    proc = start_server(system, port, log)
+    try:
+        await _wait_healthy(Endpoint("127.0.0.1", port, ""), proc, args.startup_timeout, log,
+                            system.name)
+        levels = []
+        for c in args.concurrency:
+            print(f"[{repeat + 1}/{args.repeats}] {system.name}: {c} streams x {args.output_len} "
+                  f"tokens, step {args.step_ms:g} ms ...", flush=True)
+            levels.append(await _measure_level(args, port, proc.pid, c, workdir, system, tag,
+                                               endpoint))
+            if proc.poll() is not None:
+                raise SystemExit(f"error: the server {system.name!r} died; its log:\n"
+                                 + _log_tail(log))
+    finally:
+        stop_server(proc, args.stop_timeout)
+    return {"repeat": repeat, "system": system.name, "port": port, "t_start_unix": started,
+            "t_end_unix": time.time(), "levels": levels}
+
+
+async def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from trio_infer.bench.procstat import available
 
     if not available():
         raise SystemExit("error: frontend needs Linux /proc/<pid>/task/<tid>/schedstat")
-    port = free_port()
-    log = workdir / "server.log"
-    launcher = args.launcher or default_launcher()
-    cmd = server_command(launcher, args.step_ms, port, args.server_arg)
-    with open(log, "wb") as log_file:
-        proc = subprocess.Popen(cmd, env=server_env(args), stdout=log_file, stderr=subprocess.STDOUT)
-    try:
-        await _wait_healthy(Endpoint("127.0.0.1", port, ""), proc, args.startup_timeout, log)
-        levels = []
-        for c in args.concurrency:
-            print(f"{c} streams x {args.output_len} tokens, step {args.step_ms:g} ms ...", flush=True)
-            levels.append(await _measure_level(args, port, proc.pid, c, workdir))
-            if proc.poll() is not None:
-                raise SystemExit(f"error: the server died; log:\n{log.read_text()[-4000:]}")
-        return {"levels": levels, "server_command": cmd}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    systems = systems_for(args)
+    endpoint = endpoint_for(args)
+    runs: dict[str, list[list[dict[str, Any]]]] = {s.name: [] for s in systems}
+    schedule = []
+    for repeat in range(args.repeats):
+        for system in systems:
+            res = await _run_system(args, system, repeat, workdir, endpoint)
+            runs[system.name].append(res.pop("levels"))
+            schedule.append(res)
+    return {
+        "endpoint": endpoint,
+        "systems": {s.name: {"command": s.display(), "runs": runs[s.name],
+                             "levels": median_levels(runs[s.name])} for s in systems},
+        "schedule": schedule,
+    }
+
+
+# -- medians over repetitions and ratios ----------------------------------------------------------
+
+# Totals over the repetitions, not medians: an error in any repetition must show.
+_SUMMED = {"errors", "health_errors"}
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _combine(values: list[Any], key: str | None = None) -> Any:
+    first = values[0]
+    if key == "error_kinds":
+        merged: dict[str, int] = {}
+        for v in values:
+            for kind, n in (v or {}).items():
+                merged[kind] = merged.get(kind, 0) + n
+        return merged
+    if isinstance(first, dict):
+        keys = list(first)
+        for v in values[1:]:
+            keys += [k for k in v if k not in keys]
+        return {k: _combine([v.get(k) for v in values], k) for k in keys}
+    if _is_number(first):
+        nums = [v for v in values if _is_number(v) and not math.isnan(v)]
+        if key in _SUMMED:
+            return sum(nums)
+        if nums and all(isinstance(v, int) for v in nums):
+            return statistics.median_low(nums)  # counts stay integers (one of the runs' values)
+        return statistics.median(nums) if nums else math.nan
+    return first
+
+
+def median_levels(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per level, every numeric figure's median over the repetitions (``errors``,
+    ``health_errors`` and ``error_kinds`` are totals); ``repeats`` = how many."""
+    out = []
+    for per_level in zip(*runs):
+        combined = _combine(list(per_level))
+        combined["repeats"] = len(per_level)
+        out.append(combined)
+    return out
+
+
+def _ratio(a: Any, b: Any) -> float:
+    if not (_is_number(a) and _is_number(b)) or b == 0 or math.isnan(a) or math.isnan(b):
+        return math.nan
+    return a / b
+
+
+RATIO_FIELDS = (
+    ("streamed_tok_s", lambda lv: lv["streamed_tok_s"]),
+    ("keep_up", lambda lv: lv["keep_up"]),
+    ("chunk_gap_p99_ms", lambda lv: lv["chunk_gap_ms"]["p99"]),
+    ("server_cpu_us_per_token", lambda lv: lv["server_cpu_us_per_token"]),
+)
+
+
+def ratios(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per level, ours / theirs of the medians: > 1 is better for ours for tok/s and keep-up,
+    worse for gap p99 and server CPU us/token."""
+    out = []
+    for a, b in zip(ours, theirs):
+        row: dict[str, Any] = {"concurrency": a["concurrency"]}
+        for name, get in RATIO_FIELDS:
+            row[name] = _ratio(get(a), get(b))
+        out.append(row)
+    return out
+
+
+# -- output ---------------------------------------------------------------------------------------
+
+TABLE_HEADERS = ["streams", "reqs", "errors", "tok/s", "keep-up", "TTFT p50 ms", "TTFT p99 ms",
+                 "gap p50 ms", "gap p99 ms", "server CPU us/tok", "loadgen CPU us/tok",
+                 "cores busy", "/health p99 ms"]
+
+
+def _table_row(lv: dict[str, Any]) -> list[Any]:
+    return [
+        lv["concurrency"], lv["streams"], lv["errors"], lv["streamed_tok_s"], lv["keep_up"],
+        lv["ttft_ms"]["p50"], lv["ttft_ms"]["p99"], lv["chunk_gap_ms"]["p50"],
+        lv["chunk_gap_ms"]["p99"], lv["server_cpu_us_per_token"], lv["client_cpu_us_per_token"],
+        lv["cpu_cores_busy"], lv["health_ms"]["p99"],
+    ]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -296,30 +562,47 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="trio-infer-frontend-") as tmp:
         res = trio.run(_run, args, Path(tmp))
     step = args.step_ms
+    systems = res["systems"]
+    ours = systems["ours"]["levels"]
     print(f"\nfrontend: fake model, step {step:g} ms, {args.output_len} tokens per stream, "
           f"prompt {args.input_len} words")
-    rows = []
-    for lv in res["levels"]:
-        rows.append([
-            lv["concurrency"], lv["streams"], lv["errors"], lv["streamed_tok_s"], lv["keep_up"],
-            lv["ttft_ms"]["p50"], lv["ttft_ms"]["p99"], lv["chunk_gap_ms"]["p50"],
-            lv["chunk_gap_ms"]["p99"], lv["server_cpu_us_per_token"], lv["client_cpu_us_per_token"],
-            lv["cpu_cores_busy"], lv["health_ms"]["p99"],
-        ])
-    stats.print_table(
-        ["streams", "reqs", "errors", "tok/s", "keep-up", "TTFT p50 ms", "TTFT p99 ms",
-         "gap p50 ms", "gap p99 ms", "server CPU us/tok", "loadgen CPU us/tok", "cores busy",
-         "/health p99 ms"],
-        rows,
-    )
+    several = len(systems) > 1 or args.repeats > 1
+    for name, sysres in systems.items():
+        if several:
+            what = f"median of {args.repeats} interleaved runs" if args.repeats > 1 else "one run"
+            print(f"\n{name} ({what}): {sysres['command']}")
+        stats.print_table(TABLE_HEADERS, [_table_row(lv) for lv in sysres["levels"]])
+    all_ratios = {name: ratios(ours, sysres["levels"])
+                  for name, sysres in systems.items() if name != "ours"}
+    if all_ratios:
+        print("\nours / theirs (tok/s, keep-up: > 1 = ours better; gap p99, server CPU: "
+              "< 1 = ours better)")
+        rows = []
+        for name, per_level in all_ratios.items():
+            for r in per_level:
+                rows.append([r["concurrency"], name] + [r[f] for f, _ in RATIO_FIELDS])
+        stats.print_table(["streams", "vs", "tok/s", "keep-up", "gap p99", "server CPU us/tok"],
+                          rows)
+    for name, sysres in systems.items():
+        for lv in sysres["levels"]:
+            counted = lv.get("token_counts_from") or {}
+            if counted.get("events"):
+                print(f"note: {name} sent no usage chunk; its tokens at {lv['concurrency']} streams "
+                      f"are counted as text-carrying events ({lv['output_tokens']:g} counted, "
+                      f"{lv['expected_output_tokens']:g} asked for)")
     if args.output_json:
         stats.write_json(args.output_json, {
             "config": {"step_ms": step, "output_len": args.output_len, "input_len": args.input_len,
                        "concurrency": args.concurrency, "server_env": args.server_env,
-                       "server_args": args.server_arg},
-            "levels": res["levels"],
+                       "server_args": args.server_arg, "repeats": args.repeats,
+                       "endpoint": res["endpoint"],
+                       "compare": {name: cmd for name, cmd in args.compare}},
+            "levels": ours,
+            "systems": systems,
+            "ratios": all_ratios,
+            "schedule": res["schedule"],
             "environment": stats.environment(),
         })
         print(f"wrote {args.output_json}")
-    errors = sum(lv["errors"] for lv in res["levels"])
+    errors = sum(lv["errors"] for sysres in systems.values() for lv in sysres["levels"])
     return 1 if errors else 0
