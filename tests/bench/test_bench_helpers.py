@@ -76,3 +76,52 @@ def test_cpu_meter_counts_own_work() -> None:
         x += i * i
     assert meter.sample() > 1_000_000  # more than 1 ms of CPU, counted in ns
     assert procstat.process_cpu_seconds(os.getpid()) > 0
+
+
+def _sse(delta: dict, finish: str | None = None) -> bytes:
+    obj = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def test_client_counts_reads_and_text_events() -> None:
+    """A chat stream without usage whose role chunk, three token events (three HTTP chunks) and
+    closing chunk all arrive in ONE socket write: three token events, counted as three tokens,
+    one read (so no zero gaps), three HTTP chunks; the role-only and closing chunks are not
+    tokens."""
+    import trio
+
+    from trio_infer.bench.client import Endpoint, stream_sse
+
+    events = [_sse({"role": "assistant", "content": ""}), _sse({"content": "a"}),
+              _sse({"content": "b"}), _sse({"content": "c"}), _sse({}, "length"),
+              b"data: [DONE]\n\n"]
+    body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+    head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+
+    async def main() -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+
+        async def serve_one() -> None:
+            stream = await listeners[0].accept()
+            async with stream:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += await stream.receive_some(65536)
+                await trio.sleep(0.05)  # the request body too
+                await stream.send_all(head + body)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve_one)
+            res = await stream_sse(Endpoint("127.0.0.1", port, "/v1"), "/chat/completions",
+                                   {"stream": True})
+            nursery.cancel_scope.cancel()
+        assert res.ok, res.error
+        assert len(res.event_times) == 3 and res.output_tokens == 3
+        assert res.completion_tokens is None
+        assert res.http_chunks == 3
+        # One read, unless the kernel split the 1 KB write (then still no more reads than chunks).
+        assert 1 <= len(res.chunk_times) <= 3 and len(set(res.chunk_times)) == len(res.chunk_times)
+
+    trio.run(main)

@@ -55,6 +55,9 @@ class StreamResult:
     event_times: list[float] = field(default_factory=list)
     # Arrival times of the socket reads that delivered at least one token-carrying event.
     chunk_times: list[float] = field(default_factory=list)
+    # HTTP chunks (h11 Data events) that completed at least one token-carrying event: about the
+    # server's writes, several of which may arrive in one socket read.
+    http_chunks: int = 0
     prompt_tokens: int | None = None
     completion_tokens: int | None = None  # from the final usage chunk, if the server sent one
 
@@ -200,8 +203,12 @@ async def _read_sse(stream: trio.SocketStream, ep: Endpoint, path: str, raw: byt
                     if usage:
                         res.completion_tokens = usage.get("completion_tokens")
                         res.prompt_tokens = usage.get("prompt_tokens")
+            # One socket read can hold several HTTP chunks (one h11 Data event each): the read,
+            # not the HTTP chunk, is what the reader sees, so it counts once.
             if len(event_times) > tokens_before:
-                res.chunk_times.append(now)
+                res.http_chunks += 1
+                if not res.chunk_times or res.chunk_times[-1] != now:
+                    res.chunk_times.append(now)
         elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
             break
     if status != 200:

@@ -405,6 +405,7 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
         "chunk_gap_ms": load["chunk_gap_ms"],
         "itl_ms": load["itl_ms"],
         "chunks": load["chunks"],
+        "http_chunks": load.get("http_chunks"),
         "server_cpu_s": raw_ns / 1e9,
         "server_idle_cpu_per_s": idle_rate / 1e9,
         "server_cpu_us_per_token": net_ns / 1e3 / tokens if tokens else math.nan,

@@ -163,7 +163,8 @@ def summarize_results(results: list[Any], t0: float, t1: float, t_unix: float, m
             "events": sum(1 for r in ok if r.completion_tokens is None),
         },
         "token_events": sum(len(r.event_times) for r in ok),
-        "chunks": sum(len(r.chunk_times) for r in ok),
+        "chunks": sum(len(r.chunk_times) for r in ok),  # socket reads that delivered tokens
+        "http_chunks": sum(r.http_chunks for r in ok),  # HTTP chunks that delivered tokens
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
         "total_throughput": (prompt_tokens + out_tokens) / duration,
