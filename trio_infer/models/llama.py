@@ -125,13 +125,20 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 
 
 def build_cos_sin_cache(
-    config: Any, head_dim: int, max_positions: int, device: torch.device
+    config: Any,
+    head_dim: int,
+    max_positions: int,
+    device: torch.device,
+    freq_factors: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``cat(cos, sin)`` for positions ``0 .. max_positions-1``: [max_positions, head_dim], fp32.
 
     Default frequencies are computed here; scaled variants (linear, llama3, yarn) come from
     transformers' own rope init functions, so they match the oracle by construction. The table
     stays fp32 whatever the model dtype: it is small, and the rotary op computes in fp32 anyway.
+
+    ``freq_factors`` ([head_dim / 2]) divide the default frequencies: that is how GGUF files store
+    Llama 3's rope scaling (llama.cpp's ``rope_freqs`` tensor), equivalent to ``rope_type: llama3``.
     """
     params = rope_parameters(config)
     rope_type = params["rope_type"]
@@ -150,6 +157,13 @@ def build_cos_sin_cache(
         inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     if inv_freq.shape[0] * 2 != head_dim:
         raise ValueError("partial rotary embeddings are not supported")
+    if freq_factors is not None:
+        if rope_type != "default" or freq_factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"rope frequency factors of shape {tuple(freq_factors.shape)} need the default "
+                f"rope type and {inv_freq.shape[0]} factors (got {rope_type!r})"
+            )
+        inv_freq = inv_freq / freq_factors.float()
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq.float())  # [P, D/2]
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor

@@ -1,0 +1,326 @@
+"""GGUF checkpoints (llama.cpp's single-file format): config, weights, EOS ids and tokenizer.
+
+A GGUF file holds everything a Hugging Face folder spreads over several files: the model's shape
+as metadata under ``<arch>.*`` keys, the tokenizer (vocabulary, merges, special token ids, chat
+template) under ``tokenizer.*``, and the tensors under llama.cpp's own names, most of them
+quantized. This module turns one into what :mod:`trio_infer.models.loader` needs for the same
+:class:`~trio_infer.models.llama.LlamaForCausalLM` a safetensors checkpoint builds:
+
+- a transformers config made from the metadata (:meth:`GGUFCheckpoint.open`);
+- ``(hf_name, tensor)`` pairs, each dequantized by ``gguf.quants.dequantize`` one at a time (peak
+  memory: the model plus one fp32 tensor), renamed to Hugging Face names, and, for the ``llama``
+  architecture, with the row permutation llama.cpp's converter applies to q/k undone;
+- the tokenizer through transformers' own GGUF conversion.
+
+Supported: the ``llama``, ``qwen2`` and ``qwen3`` architectures, tensor types F32, F16, BF16,
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K..Q6_K. Anything else is refused before a single
+tensor is read, with an error that names it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+# GGUF ``general.architecture`` -> the Hugging Face architecture our model implements.
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# Tensor types we dequantize (with gguf.quants.dequantize), by GGMLQuantizationType name.
+SUPPORTED_TENSOR_TYPES: tuple[str, ...] = (
+    "F32", "F16", "BF16",
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)
+
+# llama.cpp per-layer tensor name -> Hugging Face module path inside ``model.layers.N``.
+_LAYER_TENSORS: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+# llama.cpp stores Llama 3's rotary frequency factors as a tensor, not as config metadata.
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be served: unreadable, or a model or tensor type not supported."""
+
+
+def find_gguf(path: str | Path) -> Path | None:
+    """The GGUF file ``path`` stands for, or None if it is not a GGUF checkpoint.
+
+    A ``.gguf`` file is itself; a folder without ``config.json`` that holds exactly one ``.gguf``
+    is that file (several are an error: which one is meant is not ours to guess). A Hugging Face
+    folder (with ``config.json``) is never taken for a GGUF one, even if a ``.gguf`` lies in it.
+    """
+    path = Path(path)
+    if path.is_file():
+        return path if path.suffix.lower() == ".gguf" else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+    if len(files) > 1:
+        raise GGUFError(
+            f"{path} holds {len(files)} GGUF files ({', '.join(p.name for p in files)}); "
+            f"pass the path of the one to serve"
+        )
+    return files[0] if files else None
+
+
+def gguf_tensor_name(name: str) -> str:
+    """llama.cpp tensor name -> Hugging Face parameter name (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``). Raises :class:`GGUFError` for an unknown one."""
+    if m := _LAYER_RE.match(name):
+        layer, kind, attr = m.groups()
+        if kind in _LAYER_TENSORS:
+            return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{attr}"
+    elif m := _GLOBAL_RE.match(name):
+        kind, attr = m.groups()
+        if kind in _GLOBAL_TENSORS:
+            return f"{_GLOBAL_TENSORS[kind]}.{attr}"
+    raise GGUFError(f"unexpected tensor {name!r} in the GGUF file")
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo the row permutation llama.cpp's converter applies to Llama's q/k weights (and biases).
+
+    The converter regroups each head's rows from Hugging Face's rotate-half layout (first halves,
+    then second halves) into interleaved pairs, which is what llama.cpp's rotary kernel expects;
+    this puts them back. ``num_heads`` is the number of query heads for q, of kv heads for k.
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return (
+        weight.reshape(num_heads, half, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+@dataclass
+class GGUFCheckpoint:
+    """An opened GGUF file: its metadata already checked, its tensors not yet read."""
+
+    path: Path
+    gguf_architecture: str  # "llama", "qwen2", "qwen3"
+    architecture: str  # the Hugging Face name, e.g. "LlamaForCausalLM"
+    config: Any  # a transformers PretrainedConfig built from the metadata
+    eos_token_ids: tuple[int, ...]
+    rope_freq_factors: torch.Tensor | None  # Llama 3 rope scaling, as llama.cpp stores it
+    _reader: Any
+
+    @classmethod
+    def open(cls, path: str | Path) -> GGUFCheckpoint:
+        """Read and check the metadata; raises :class:`GGUFError` on anything we cannot serve."""
+        path = Path(path)
+        reader = _open_reader(path)
+        fields = reader.fields
+        arch = _field(fields, "general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise GGUFError(
+                f"unsupported GGUF architecture {arch!r} in {path}; "
+                f"supported: {', '.join(GGUF_ARCHITECTURES)}"
+            )
+        tensors = {t.name: t for t in reader.tensors}
+        unsupported = sorted(
+            {f"{t.tensor_type.name} ({t.name})" for t in reader.tensors
+             if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES},
+        )
+        if unsupported:
+            shown = ", ".join(unsupported[:3]) + (" ..." if len(unsupported) > 3 else "")
+            raise GGUFError(
+                f"{path}: tensor type not supported: {shown}; "
+                f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+            )
+        if "token_embd.weight" not in tensors:
+            raise GGUFError(f"{path} has no token_embd.weight tensor")
+        config = _config(path, arch, fields, tensors)
+        rope_freqs = None
+        if ROPE_FREQS_TENSOR in tensors:
+            rope_freqs = _dequantize(tensors[ROPE_FREQS_TENSOR]).float()
+        return cls(
+            path=path,
+            gguf_architecture=arch,
+            architecture=GGUF_ARCHITECTURES[arch],
+            config=config,
+            eos_token_ids=_eos_token_ids(fields),
+            rope_freq_factors=rope_freqs,
+            _reader=reader,
+        )
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(1 for t in self._reader.tensors if t.name != ROPE_FREQS_TENSOR)
+
+    def iter_weights(self, desc: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, fp32 tensor)`` for every weight, dequantized one at a time, with a
+        progress bar over tensors. The model's ``load_weights`` casts to the serving dtype."""
+        permute = self.gguf_architecture == "llama"
+        num_heads = int(self.config.num_attention_heads)
+        num_kv_heads = int(self.config.num_key_value_heads)
+        with tqdm(total=self.num_tensors, desc=desc, unit="tensor") as progress:
+            for tensor in self._reader.tensors:
+                if tensor.name == ROPE_FREQS_TENSOR:
+                    continue  # folded into the rotary table (see rope_freq_factors)
+                name = gguf_tensor_name(tensor.name)
+                weight = _dequantize(tensor)
+                if permute and ".self_attn.q_proj." in name:
+                    weight = unpermute_qk(weight, num_heads)
+                elif permute and ".self_attn.k_proj." in name:
+                    weight = unpermute_qk(weight, num_kv_heads)
+                yield name, weight
+                progress.update(1)
+
+
+def load_gguf_tokenizer(path: Path) -> Any:
+    """The file's tokenizer, special tokens and chat template, converted by transformers."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception:
+        # transformers' messages for a file it cannot read are cryptic (a numpy reshape error for
+        # a truncated file): give ours if the file is at fault, else let the original through.
+        GGUFCheckpoint.open(path)
+        raise
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def _open_reader(path: Path) -> Any:
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    size = path.stat().st_size
+    try:
+        return GGUFReader(str(path))
+    except Exception as exc:  # numpy reshape/index errors for a short file, magic errors, ...
+        raise GGUFError(
+            f"cannot read GGUF file {path} ({size} bytes): it is truncated or corrupt "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _field(fields: dict[str, Any], key: str, default: Any = None) -> Any:
+    field = fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _config(path: Path, arch: str, fields: dict[str, Any], tensors: dict[str, Any]) -> Any:
+    """A transformers config for ``arch`` from the ``<arch>.*`` metadata and the tensor list."""
+    from transformers import AutoConfig
+
+    def meta(key: str, default: Any = None, required: bool = False) -> Any:
+        value = _field(fields, f"{arch}.{key}", default)
+        if value is None and required:
+            raise GGUFError(f"{path} lacks the metadata key {arch}.{key}")
+        return value
+
+    hidden = int(meta("embedding_length", required=True))
+    heads = int(meta("attention.head_count", required=True))
+    kv_heads = meta("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer counts: only a uniform list is a plain model
+        if len(set(kv_heads)) != 1:
+            raise GGUFError(f"{path}: per-layer kv head counts {kv_heads} are not supported")
+        kv_heads = kv_heads[0]
+    head_dim = int(meta("attention.key_length", hidden // heads))
+    value_dim = int(meta("attention.value_length", head_dim))
+    rotary_dim = int(meta("rope.dimension_count", head_dim))
+    if value_dim != head_dim:
+        raise GGUFError(f"{path}: key length {head_dim} != value length {value_dim}")
+    if rotary_dim != head_dim:
+        raise GGUFError(
+            f"{path}: partial rotary embeddings (rope dimension {rotary_dim} of head dim "
+            f"{head_dim}) are not supported"
+        )
+    layers = int(meta("block_count", required=True))
+    vocab_size = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes are (cols, rows)
+
+    rope: dict[str, Any] = {"rope_theta": float(meta("rope.freq_base", 10000.0))}
+    scaling = meta("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling not in ("linear", "yarn"):
+            raise GGUFError(f"{path}: rope scaling {scaling!r} is not supported")
+        factor = float(meta("rope.scaling.factor", 1.0))
+        original = meta("rope.scaling.original_context_length")
+        rope["rope_scaling"] = {"rope_type": scaling, "factor": factor}
+        if original is not None:
+            rope["rope_scaling"]["original_max_position_embeddings"] = int(original)
+    if ROPE_FREQS_TENSOR in tensors and "rope_scaling" in rope:
+        raise GGUFError(f"{path}: both rope frequency factors and rope scaling metadata")
+
+    def has(kind: str) -> bool:
+        return f"blk.0.{kind}" in tensors
+
+    kwargs: dict[str, Any] = dict(
+        architectures=[GGUF_ARCHITECTURES[arch]],
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv_heads),
+        head_dim=head_dim,
+        intermediate_size=int(meta("feed_forward_length", required=True)),
+        vocab_size=vocab_size,
+        max_position_embeddings=int(meta("context_length", required=True)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=_field(fields, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(fields, "tokenizer.ggml.eos_token_id"),
+        **rope,
+    )
+    if arch == "llama":
+        kwargs["attention_bias"] = has("attn_q.bias") or has("attn_output.bias")
+        kwargs["mlp_bias"] = has("ffn_gate.bias")
+    elif arch == "qwen3":
+        kwargs["attention_bias"] = has("attn_q.bias")
+    return AutoConfig.for_model(arch, **kwargs)
+
+
+def _eos_token_ids(fields: dict[str, Any]) -> tuple[int, ...]:
+    """End-of-sequence ids: the file's EOS, then its end-of-turn / end-of-message tokens if set."""
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id")
+    ids = [int(v) for key in keys if (v := _field(fields, key)) is not None]
+    return tuple(dict.fromkeys(ids))
+
+
+def _dequantize(tensor: Any) -> torch.Tensor:
+    """One GGUF tensor as an fp32 torch tensor of its Hugging Face shape (rows, cols)."""
+    from gguf.quants import dequantize
+
+    array = dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists cols first
+    array = np.asarray(array, dtype=np.float32).reshape(shape)
+    if not array.flags.writeable:  # F32 tensors come back as views of the read-only memmap
+        array = array.copy()
+    return torch.from_numpy(array)
