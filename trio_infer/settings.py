@@ -15,10 +15,16 @@ class Settings(BaseSettings):
     # -- model --------------------------------------------------------------------------------
     model: str | None = Field(
         None,
-        description="Model folder, a hub id in the local Hugging Face cache, or 'fake'. "
-        "Unset: the embedded tiny model (random weights, produces noise).",
+        description="Model folder, .gguf file, hub id in the local Hugging Face cache, "
+        "'trio-infer-tiny' (tiny random model built locally: instant steps, noise for text) or "
+        "'fake'. Unset: SmolLM2-135M-Instruct (Q4_1 GGUF that `make venv` fetches into "
+        "cache_dir/models).",
     )
-    served_model_name: str | None = Field(None, description="Model id for the API.")
+    served_model_name: str | None = Field(
+        None,
+        description="Model id for the API. Unset: 'smollm2-135m-instruct' for the default model, "
+        "else the folder name, hub id or GGUF file stem.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = Field("auto", description="'auto' (cuda if available), 'cpu' or 'cuda'.")
     fake_step_ms: float = Field(
@@ -28,7 +34,8 @@ class Settings(BaseSettings):
         "worker thread like a real forward pass (benchmarks of the server layer). 0: instant.",
     )
     cache_dir: Path = Field(
-        Path.home() / ".cache" / "trio-infer", description="Where the embedded model is built."
+        Path.home() / ".cache" / "trio-infer",
+        description="Where the default model is fetched (models/) and the tiny model built.",
     )
 
     # -- engine -------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""The model the server runs when it is given none: tiny, random, built locally in seconds.
+"""The tiny random model, served as ``trio-infer-tiny``: built locally in seconds, no download.
 
-It lets ``hypercorn trio_infer.app:app`` start and answer on a machine with no network and no
-download, and gives every layer above the model a real checkpoint to exercise (tokenizer, chat
-template, safetensors, paged attention). Its text is nonsense; its behaviour is fully real.
+``--model trio-infer-tiny`` (or ``TRIO_INFER_MODEL=trio-infer-tiny``) serves it. Its text is
+nonsense, but its behaviour is fully real (tokenizer, chat template, safetensors, paged attention)
+and a step takes milliseconds on a CPU, so tests and benchmarks that only need *a* model use it.
+The model served when none is configured is a real one (see
+:mod:`trio_infer.models.default_model`).
 """
 
 from __future__ import annotations
@@ -13,29 +15,29 @@ from pathlib import Path
 
 from trio_infer.models.synthetic import SHAPES, build_random_checkpoint
 
-DEFAULT_MODEL_NAME = "trio-infer-tiny"
-DEFAULT_MODEL_DIRNAME = "default-model"
+TINY_MODEL_NAME = "trio-infer-tiny"
+TINY_MODEL_DIRNAME = "tiny-model"
 # A checkpoint folder may hold this one-line file naming the id it is served under by default;
-# the loader reads it. The default model uses it so it is served as DEFAULT_MODEL_NAME rather than
+# the loader reads it. The tiny model uses it so it is served as TINY_MODEL_NAME rather than
 # under its folder's name.
 SERVED_NAME_FILE = "served_name"
 
 
-def ensure_default_model(cache_dir: Path) -> Path:
-    """Return ``cache_dir / "default-model"``, building it first if it is not there yet.
+def ensure_tiny_model(cache_dir: Path) -> Path:
+    """Return ``cache_dir / "tiny-model"``, building it first if it is not there yet.
 
     The build happens in a temporary folder next to the target and is renamed into place, so a
     crash mid-build never leaves a half-written checkpoint that later runs would trust, and two
     processes racing to build it both end up with one complete copy.
     """
-    target = Path(cache_dir) / DEFAULT_MODEL_DIRNAME
+    target = Path(cache_dir) / TINY_MODEL_DIRNAME
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_DIRNAME}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL_DIRNAME}-", dir=target.parent))
     try:
         build_random_checkpoint(staging, "Qwen3ForCausalLM", seed=0, **SHAPES["tiny"])
-        (staging / SERVED_NAME_FILE).write_text(DEFAULT_MODEL_NAME + "\n")
+        (staging / SERVED_NAME_FILE).write_text(TINY_MODEL_NAME + "\n")
         try:
             staging.rename(target)
         except OSError:

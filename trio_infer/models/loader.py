@@ -1,15 +1,18 @@
 """From a model name or folder to a ready :class:`~trio_infer.models.base.CausalLM`.
 
-A checkpoint is an ordinary Hugging Face folder: ``config.json`` (parsed by transformers, whose
-job that is), one or several ``*.safetensors`` files (read directly, tensor by tensor, so peak
-memory is one tensor above the model), optional ``generation_config.json`` and tokenizer files.
-Nothing here downloads: a hub id must already be in the local Hugging Face cache.
+A checkpoint is either an ordinary Hugging Face folder: ``config.json`` (parsed by transformers,
+whose job that is), one or several ``*.safetensors`` files (read directly, tensor by tensor, so
+peak memory is one tensor above the model), optional ``generation_config.json`` and tokenizer
+files; or a single GGUF file (see :mod:`trio_infer.models.gguf_loader`), which holds all of that.
+Nothing here downloads: a hub id must already be in the local Hugging Face cache, and the default
+model must have been fetched by ``make venv`` (see :mod:`trio_infer.models.default_model`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -18,7 +21,13 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from trio_infer.models.base import CausalLM, ModelInfo
-from trio_infer.models.embedded import DEFAULT_MODEL_NAME, SERVED_NAME_FILE, ensure_default_model
+from trio_infer.models.default_model import (
+    DEFAULT_MODEL_NAME,
+    KNOWN_GGUF_NAMES,
+    require_default_model,
+)
+from trio_infer.models.embedded import SERVED_NAME_FILE, TINY_MODEL_NAME, ensure_tiny_model
+from trio_infer.models.gguf_loader import GGUFCheckpoint, find_gguf, load_gguf_tokenizer
 from trio_infer.models.llama import (
     SUPPORTED_ARCHITECTURES,
     LlamaForCausalLM,
@@ -28,19 +37,27 @@ from trio_infer.models.llama import (
 
 
 def resolve_model_path(name_or_path: str | None, cache_dir: Path) -> Path:
-    """Turn the ``--model`` setting into a checkpoint folder.
+    """Turn the ``--model`` setting into a checkpoint folder or GGUF file.
 
-    ``None`` (or the default model's served name) -> the embedded default model, built into
-    ``cache_dir`` on first use; an existing folder -> itself; anything else is taken as a hub id
-    and looked up in the local Hugging Face cache only.
+    ``None`` (or ``smollm2-135m-instruct``) -> the default model's GGUF file in
+    ``cache_dir/models`` (fetched by ``make venv``; a clear error if absent); ``trio-infer-tiny``
+    -> the tiny random model, built into ``cache_dir`` on first use; a ``.gguf`` file -> itself; a
+    folder without ``config.json`` holding exactly one ``.gguf`` -> that file; any other existing
+    folder -> itself; anything else is taken as a hub id and looked up in the local Hugging Face
+    cache only.
     """
-    if name_or_path is None:
-        return ensure_default_model(cache_dir)
+    if name_or_path is None or name_or_path == DEFAULT_MODEL_NAME:
+        return require_default_model(cache_dir)
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path
-    if name_or_path == DEFAULT_MODEL_NAME:
-        return ensure_default_model(cache_dir)
+    if path.exists():
+        gguf_file = find_gguf(path)
+        if gguf_file is not None:
+            return gguf_file
+        if path.is_dir():
+            return path
+        raise ValueError(f"{path} is neither a checkpoint folder nor a .gguf file")
+    if name_or_path == TINY_MODEL_NAME:
+        return ensure_tiny_model(cache_dir)
     from huggingface_hub import snapshot_download
 
     try:
@@ -54,7 +71,11 @@ def resolve_model_path(name_or_path: str | None, cache_dir: Path) -> Path:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The checkpoint's own tokenizer (and chat template), as transformers loads it."""
+    """The checkpoint's own tokenizer (and chat template), as transformers loads it (from the
+    metadata, for a GGUF file)."""
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return load_gguf_tokenizer(gguf_file)
     return AutoTokenizer.from_pretrained(str(path))
 
 
@@ -66,16 +87,32 @@ def load_model(
 ) -> CausalLM:
     """Build the model of the checkpoint at ``path`` on ``device`` and load its weights.
 
+    ``path`` is a Hugging Face folder or a GGUF file (or a folder holding one; see
+    :func:`~trio_infer.models.gguf_loader.find_gguf`); GGUF weights are dequantized to ``dtype``.
     ``dtype`` defaults to :func:`default_dtype`. The served name is ``served_name``, else the
     folder's ``served_name`` file, else the hub id for a folder inside the Hugging Face cache, else
-    the folder name (see :func:`default_served_name`).
+    the folder name, or for a GGUF file its known name or file stem (see
+    :func:`default_served_name`).
     """
     path = Path(path)
     device = torch.device(device)
     if dtype is None:
         dtype = default_dtype(device)
-    architecture = _architecture(path)
-    config = AutoConfig.from_pretrained(str(path))
+    gguf_file = find_gguf(path)
+    freq_factors: torch.Tensor | None = None
+    weights: Callable[[str], Iterator[tuple[str, torch.Tensor]]]
+    if gguf_file is not None:
+        path = gguf_file
+        checkpoint = GGUFCheckpoint.open(gguf_file)
+        architecture, config = checkpoint.architecture, checkpoint.config
+        eos_ids = checkpoint.eos_token_ids
+        freq_factors = checkpoint.rope_freq_factors
+        weights = checkpoint.iter_weights
+    else:
+        architecture = _architecture(path)
+        config = AutoConfig.from_pretrained(str(path))
+        eos_ids = eos_token_ids(path, config)
+        weights = partial(_iter_safetensors, path)
     spec = LlamaSpec.from_config(config, architecture)
     info = ModelInfo(
         name=served_name or default_served_name(path),
@@ -86,13 +123,13 @@ def load_model(
         vocab_size=spec.vocab_size,
         max_model_len=spec.max_position_embeddings,
         dtype=dtype,
-        eos_token_ids=eos_token_ids(path, config),
+        eos_token_ids=eos_ids,
     )
     cos_sin_cache = build_cos_sin_cache(
-        config, spec.head_dim, spec.max_position_embeddings, device
+        config, spec.head_dim, spec.max_position_embeddings, device, freq_factors
     )
     model = LlamaForCausalLM(spec, info, cos_sin_cache, device)
-    model.load_weights(_iter_safetensors(path, desc=f"Loading {info.name}"))
+    model.load_weights(weights(f"Loading {info.name}"))
     return model.eval()
 
 
@@ -104,6 +141,8 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
 
 def default_served_name(path: Path) -> str:
     """The id a checkpoint is served under when the user names none (see :func:`load_model`)."""
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return KNOWN_GGUF_NAMES.get(path.name, path.stem)
     marker = path / SERVED_NAME_FILE
     if marker.is_file():
         name = marker.read_text().strip()
