@@ -22,7 +22,7 @@ import torch
 
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.kv_cache import KVCache, PagePool
-from trio_infer.engine.model_runner import ModelRunner
+from trio_infer.engine.model_runner import ModelRunner, PromptRows
 from trio_infer.engine.params import SamplingParams
 from trio_infer.engine.prefix_cache import PrefixCache
 from trio_infer.engine.sampler import SampleResult, TokenLogprob
@@ -43,7 +43,12 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What one step produced for one request: at most one new token, maybe a finish."""
+    """What one step produced for one request: at most one new token, maybe a finish.
+
+    A request's first output carries its prompt logprobs when it asked for them (entry 0, the
+    first prompt token's, is None). A request with ``max_tokens == 0`` has exactly one output,
+    with no token, once its prompt is prefilled.
+    """
 
     uid: Hashable
     token_ids: list[int]
@@ -52,6 +57,7 @@ class RequestOutput:
     stop_token_id: int | None  # the EOS/stop token that ended it (it is in token_ids)
     num_prompt_tokens: int
     num_output_tokens: int
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class StepPlan:
     schedule: Schedule
     batch: ForwardBatch
     sampling: list[Sequence] = field(default_factory=list)  # sequences in logits-row order
+    prompt_rows: PromptRows | None = None  # logits rows after the sampling ones
 
 
 class Engine:
@@ -141,6 +148,8 @@ class Engine:
             max_len=self.max_model_len,
             generator=generator,
         )
+        if params.prompt_logprobs is not None:
+            seq.prompt_lps = [None]  # the first prompt token has no context
         self._seqs[uid] = seq
         self.scheduler.add(seq)
 
@@ -165,26 +174,35 @@ class Engine:
         schedule = self.scheduler.schedule()
         if schedule is None:
             return None
-        batch = self.runner.prepare(schedule)
+        batch, prompt_rows = self.runner.prepare(schedule)
         sampling = [it.seq for it in schedule.items if it.samples]
-        return StepPlan(schedule, batch, sampling)
+        return StepPlan(schedule, batch, sampling, prompt_rows)
 
     def execute(self, plan: StepPlan) -> SampleResult:
-        return self.runner.run(plan.batch, plan.sampling)
+        return self.runner.run(plan.batch, plan.sampling, plan.prompt_rows)
 
     def commit(self, plan: StepPlan, result: SampleResult) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         row = 0
+        lp_row = 0
         for it in plan.schedule.items:
             seq = it.seq
             if it.samples:
                 token, logprob = result.token_ids[row], result.logprobs[row]
                 row += 1
+            if it.lp_end > it.lp_start:
+                lp_first, lp_row = lp_row, lp_row + it.lp_end - it.lp_start
             if seq.status is not Status.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed = it.start + it.num_tokens
             self.scheduler.record_computed(seq)
+            if it.lp_end > it.lp_start and seq.prompt_lps is not None:
+                assert len(seq.prompt_lps) == it.lp_start + 1, "prompt logprob rows out of order"
+                seq.prompt_lps.extend(result.prompt_logprobs[lp_first:lp_row])
+                seq.lp_next = it.lp_end
             if not it.samples:
+                if seq.num_computed == len(seq.token_ids):  # max_tokens == 0: prefilled, done
+                    outputs.append(self._finish_unsampled(seq))
                 continue
             seq.token_ids.append(token)
             reason, stop_token = self._stop_reason(seq, token)
@@ -192,6 +210,9 @@ class Engine:
                 self.scheduler.remove(seq)
                 del self._seqs[seq.uid]
                 seq.finish_reason = reason
+            prompt_lps = None
+            if seq.prompt_lps is not None:  # the first output: hand them over
+                prompt_lps, seq.prompt_lps = seq.prompt_lps, None
             outputs.append(
                 RequestOutput(
                     uid=seq.uid,
@@ -201,9 +222,26 @@ class Engine:
                     stop_token_id=stop_token,
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_output_tokens=seq.num_output_tokens,
+                    prompt_logprobs=prompt_lps,
                 )
             )
         return outputs
+
+    def _finish_unsampled(self, seq: Sequence) -> RequestOutput:
+        self.scheduler.remove(seq)
+        del self._seqs[seq.uid]
+        seq.finish_reason = "length"
+        prompt_lps, seq.prompt_lps = seq.prompt_lps, None
+        return RequestOutput(
+            uid=seq.uid,
+            token_ids=[],
+            logprobs=None,
+            finish_reason="length",
+            stop_token_id=None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=0,
+            prompt_logprobs=prompt_lps,
+        )
 
     def fail(self, plan: StepPlan) -> list[Hashable]:
         """A step raised: drop every request it carried (their KV is suspect). Returns their uids."""

@@ -1,15 +1,31 @@
-"""Turns a schedule into tensors, runs the model, samples."""
+"""Turns a schedule into tensors, runs the model, samples.
+
+The model computes logits only for the rows of ``batch.logits_indices``: first one row per
+sequence that samples (in ``sampling`` order), then the rows that give prompt logprobs
+(:class:`PromptRows`), which exist only for the sequences that asked for them.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.kv_cache import KVCache
-from trio_infer.engine.sampler import SampleResult, sample
+from trio_infer.engine.sampler import SampleResult, prompt_logprobs, sample
 from trio_infer.engine.scheduler import Schedule
 from trio_infer.engine.sequence import Sequence
 from trio_infer.models.base import CausalLM
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """The step's prompt-logprob rows, after the sampling rows of the logits, in schedule order:
+    the prompt token each row scores and how many alternatives it wants."""
+
+    targets: list[int]
+    top_k: list[int]
 
 
 class ModelRunner:
@@ -18,7 +34,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
 
-    def prepare(self, schedule: Schedule) -> ForwardBatch:
+    def prepare(self, schedule: Schedule) -> tuple[ForwardBatch, PromptRows | None]:
         """Build the step's input tensors from the schedule's snapshot (not from live state)."""
         page_size = self.kv_cache.page_size
         input_ids: list[int] = []
@@ -28,6 +44,9 @@ class ModelRunner:
         logits_indices: list[int] = []
         max_pages = max(len(it.pages) for it in schedule.items)
         pages: list[int] = []  # the page table, row by row, padded with 0
+        lp_rows: list[int] = []
+        lp_targets: list[int] = []
+        lp_top_k: list[int] = []
         total = 0
         for it in schedule.items:
             end = it.start + it.num_tokens
@@ -40,6 +59,11 @@ class ModelRunner:
             seq_lens.append(end)
             pages.extend(it.pages)
             pages.extend([0] * (max_pages - len(it.pages)))
+            if it.lp_end > it.lp_start:  # only sequences that asked for prompt logprobs
+                first = total + it.lp_start - it.start
+                lp_rows.extend(range(first, first + it.lp_end - it.lp_start))
+                lp_targets.extend(it.seq.token_ids[it.lp_start + 1 : it.lp_end + 1])
+                lp_top_k.extend([it.seq.params.prompt_logprobs or 0] * (it.lp_end - it.lp_start))
             total += it.num_tokens
             if it.samples:
                 logits_indices.append(total - 1)
@@ -53,8 +77,12 @@ class ModelRunner:
         positions += torch.tensor(starts, dtype=torch.int64)[seq_of_token]
         slots = page_table[seq_of_token, positions // page_size] * page_size + positions % page_size
 
+        rows = None
+        if lp_rows:
+            logits_indices.extend(lp_rows)
+            rows = PromptRows(lp_targets, lp_top_k)
         dev = self.device
-        return ForwardBatch(
+        batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev),
             positions=positions.to(dev),
             slot_mapping=slots.to(dev),
@@ -65,11 +93,18 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(dev),
             max_query_len=max(counts),
         )
+        return batch, rows
 
-    def run(self, batch: ForwardBatch, sampling: list[Sequence]) -> SampleResult:
-        """Forward pass and sampling; ``sampling`` lists the sequences in logits-row order."""
+    def run(
+        self, batch: ForwardBatch, sampling: list[Sequence], prompt_rows: PromptRows | None = None
+    ) -> SampleResult:
+        """Forward pass and sampling; ``sampling`` lists the sequences in logits-row order, and
+        ``prompt_rows`` the rows after theirs."""
         with torch.inference_mode():  # per thread: the runtime calls this from a worker thread
             logits = self.model.forward(batch, self.kv_cache.k, self.kv_cache.v)
-            if not sampling:
-                return SampleResult([], [])
-            return sample(logits, sampling)
+            result = sample(logits[: len(sampling)], sampling) if sampling else SampleResult([], [])
+            if prompt_rows is not None:
+                result.prompt_logprobs.extend(prompt_logprobs(
+                    logits[len(sampling) :], prompt_rows.targets, prompt_rows.top_k
+                ))
+            return result

@@ -9,9 +9,13 @@ from dataclasses import dataclass
 class SamplingParams:
     """How one sequence is sampled and when it stops.
 
-    ``temperature == 0`` means greedy. ``max_tokens=None`` means "until the context is full".
+    ``temperature == 0`` means greedy. ``max_tokens=None`` means "until the context is full";
+    ``max_tokens=0`` means no token at all: the prompt is prefilled (for its ``prompt_logprobs``)
+    and the sequence finishes with "length" without sampling.
     ``logprobs=None`` returns no logprobs; ``logprobs=k`` returns the chosen token's logprob and
-    the ``k`` most likely alternatives (k may be 0).
+    the ``k`` most likely alternatives (k may be 0). ``prompt_logprobs=k`` does the same for every
+    prompt token but the first (which has no context: its entry is None), computed from the
+    prefill's own logits and delivered with the sequence's first output.
     """
 
     max_tokens: int | None = None
@@ -25,10 +29,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -39,6 +44,8 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1]")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError("logprobs must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError("prompt_logprobs must be >= 0")
 
     @property
     def greedy(self) -> bool:

@@ -9,12 +9,12 @@ with probability ``p_i``. Its appeal here: a seeded request draws its noise from
 requests share the batch.
 
 Logprobs are those of the model's distribution after penalties, before temperature and
-truncation (what vLLM reports by default).
+truncation (what vLLM reports by default). Prompt logprobs are the model's raw distribution.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,32 @@ class TokenLogprob:
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per prompt row
+
+
+# Prompt rows are scored this many at a time: a [rows, vocab] fp32 log-softmax per slice, not
+# one for the whole chunk.
+_PROMPT_SLICE = 64
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], top_k: list[int]) -> list[TokenLogprob]:
+    """logits: [R, V], row r scores prompt token ``targets[r]`` with ``top_k[r]`` alternatives."""
+    out: list[TokenLogprob] = []
+    device = logits.device
+    for lo in range(0, len(targets), _PROMPT_SLICE):
+        hi = min(lo + _PROMPT_SLICE, len(targets))
+        lps = torch.log_softmax(logits[lo:hi].float(), dim=-1)
+        ids = torch.tensor(targets[lo:hi], dtype=torch.int64, device=device)
+        chosen = lps.gather(1, ids[:, None])[:, 0].tolist()
+        k = max(top_k[lo:hi])
+        if k:
+            top = torch.topk(lps, k, dim=-1)
+            top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+        for r in range(hi - lo):
+            kr = top_k[lo + r]
+            alts = tuple(zip(top_ids[r][:kr], top_lps[r][:kr])) if kr else ()
+            out.append(TokenLogprob(targets[lo + r], chosen[r], alts))
+    return out
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:

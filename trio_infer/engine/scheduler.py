@@ -18,6 +18,11 @@ it keeps its pages and resumes when the flag comes back.
 With a :class:`~trio_infer.engine.prefix_cache.PrefixCache`, an admitted sequence starts from the
 longest cached prefix of its tokens, every full page a step computes is recorded for later
 requests, and the pool makes room by evicting cache-only pages before anything is preempted.
+A sequence that still owes prompt logprobs starts from a cached prefix only as far as the
+logprobs it already has (see :class:`~trio_infer.engine.sequence.Sequence`): the first time, from
+none, so it computes its whole prompt; the pages it computes are still offered to the cache.
+
+A sequence with ``max_tokens == 0`` prefills its prompt and never samples.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ class ScheduledSeq:
     num_tokens: int
     pages: tuple[int, ...]  # page table snapshot: the step must not see later changes
     samples: bool  # the chunk reaches the end of the sequence: sample the next token
+    # Positions [lp_start, lp_end) of the chunk whose rows give prompt logprobs (empty for the
+    # requests that ask for none): row p scores prompt token p + 1.
+    lp_start: int = 0
+    lp_end: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,6 +161,8 @@ class Scheduler:
             return
         # At least the last token must be computed: its logits give the next token.
         max_pages = (len(seq.token_ids) - 1) // self.page_size
+        if seq.prompt_lps is not None:  # rows from lp_next on must be computed, not looked up
+            max_pages = min(max_pages, seq.lp_next // self.page_size)
         nodes = self.prefix_cache.match(seq.token_ids, max_pages)
         self.prefix_queries += len(seq.token_ids)
         self.prefix_hits += len(nodes) * self.page_size
@@ -162,12 +173,19 @@ class Scheduler:
             seq.num_computed = len(nodes) * self.page_size
 
     def _item(self, seq: Sequence, n: int) -> ScheduledSeq:
+        start = seq.num_computed
+        end = start + n
+        if seq.prompt_lps is None:  # the usual case
+            return ScheduledSeq(seq, start, n, tuple(seq.pages),
+                                end == len(seq.token_ids) and seq.params.max_tokens != 0)
         return ScheduledSeq(
             seq=seq,
-            start=seq.num_computed,
+            start=start,
             num_tokens=n,
             pages=tuple(seq.pages),
-            samples=seq.num_computed + n == len(seq.token_ids),
+            samples=end == len(seq.token_ids) and seq.params.max_tokens != 0,
+            lp_start=max(start, seq.lp_next),
+            lp_end=min(end, seq.num_prompt_tokens - 1),
         )
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:

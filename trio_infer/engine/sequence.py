@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import TYPE_CHECKING, Hashable
 
 import torch
 
 from trio_infer.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from trio_infer.engine.sampler import TokenLogprob
 
 
 class Status(enum.Enum):
@@ -23,6 +26,13 @@ class Sequence:
 
     ``num_computed`` counts the leading tokens whose keys/values sit in ``pages``. The last sampled
     token is never computed yet: a sequence in decode has ``num_computed == len(token_ids) - 1``.
+
+    Prompt logprobs (``params.prompt_logprobs``): ``prompt_lps`` collects them while the prompt is
+    prefilled (entry i is prompt token i's; entry 0 is None) and is handed over, then set to None,
+    with the first output. The row of position p scores prompt token p + 1, so the rows of
+    positions ``[lp_next, num_prompt_tokens - 1)`` still have to be computed; until the list is
+    handed over the prefix cache may serve only positions before ``lp_next`` (their logprobs are
+    already here), so a cache hit never skips a logprob.
     """
 
     uid: Hashable
@@ -37,6 +47,8 @@ class Sequence:
     cache_nodes: list[int] = field(default_factory=list)  # prefix-cache node per full page
     ready: bool = True  # False: the caller cannot take output now (backpressure); skip it
     finish_reason: str | None = None
+    prompt_lps: list[TokenLogprob | None] | None = None  # None: not asked, or already delivered
+    lp_next: int = 0  # first position whose row still has to give a prompt logprob
 
     @property
     def num_output_tokens(self) -> int:

@@ -76,10 +76,11 @@ class FakeModel:
         terms = (batch.input_ids * (batch.positions + 1)) % _MOD
         flat.index_copy_(0, batch.slot_mapping, terms.to(torch.float64))
 
-        # Which sequence each logits row belongs to, and that sequence's context length.
+        # Which sequence each logits row belongs to, and its context: the tokens up to the row's
+        # own (the sequence's whole context for a sampling row; less for a prompt-logprob row).
         qsl = batch.query_start_loc
         seq_of_row = torch.searchsorted(qsl, batch.logits_indices, right=True) - 1
-        lens = batch.seq_lens[seq_of_row]
+        lens = batch.positions[batch.logits_indices] + 1
         pos = torch.arange(int(lens.max()) if len(lens) else 0)
         valid = pos[None, :] < lens[:, None]
         pages = batch.page_table[seq_of_row][:, pos // page_size]

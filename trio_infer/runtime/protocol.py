@@ -73,7 +73,12 @@ class Hello(msgspec.Struct, tag="hello", array_like=True):
 
 
 class Output(msgspec.Struct, array_like=True):
-    """What one step produced for one sequence: one new token, maybe a finish."""
+    """What one step produced for one sequence: one new token, maybe a finish.
+
+    ``prompt_logprobs`` is set on a sequence's first output only, and only when its parameters
+    asked for them (entry 0 is None); every other output carries a nil there. A sequence with
+    ``max_tokens == 0`` has one output, without a token.
+    """
 
     uid: Uid
     token_ids: list[int]
@@ -82,6 +87,7 @@ class Output(msgspec.Struct, array_like=True):
     stop_token_id: int | None  # the EOS/stop token that ended it (it is in token_ids)
     num_prompt_tokens: int
     num_output_tokens: int
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Failed(msgspec.Struct, array_like=True):

@@ -112,7 +112,8 @@ class WorkerCore:
                 del credits[out.uid]
             outputs.append(
                 Output(out.uid, out.token_ids, out.logprobs, out.finish_reason,
-                       out.stop_token_id, out.num_prompt_tokens, out.num_output_tokens)
+                       out.stop_token_id, out.num_prompt_tokens, out.num_output_tokens,
+                       out.prompt_logprobs)
             )
         return self._frame(outputs)
 
