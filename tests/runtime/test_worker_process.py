@@ -1,0 +1,173 @@
+"""The batching worker as a real process: killed, restarted, shut down, orphaned. Nothing may be
+left behind: no request hanging, no child process, no zombie."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> set[int]:
+    """The live (non-zombie) child processes of ``pid``."""
+    found: set[int] = set()
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found.update(int(c) for c in f.read().split())
+    except FileNotFoundError:
+        return set()
+    return {c for c in found if _state(c) not in (None, "Z")}
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    return _state(pid) not in (None, "Z")
+
+
+def wait_for(predicate, timeout: float, what: str) -> float:  # type: ignore[no-untyped-def]
+    """Poll ``predicate`` (a real process is on the other side: no virtual time here); return the
+    seconds it took."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def health(url: str) -> int:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code
+    except httpx.TransportError:
+        return 0
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trio_infer", "serve", "--model", "fake", "--fake-step-ms", "5",
+         "--max-running", "64", "--port", str(port), "--cache-dir", str(tmp_path),
+         "--worker-restart-delay-s", "0.1", "--shutdown-grace-s", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        wait_for(lambda: health(url) == 200 or proc.poll() is not None, 120, "the server")
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def stream_events(url: str, body: dict, started: threading.Barrier) -> list:  # type: ignore[type-arg]
+    events = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line:
+                continue
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+            if len(events) == 1:
+                started.wait(timeout=60)
+    return events
+
+
+def test_kill_9_of_the_worker_during_64_streams(server) -> None:  # type: ignore[no-untyped-def]
+    proc, url = server
+    [worker] = children(proc.pid)
+    body = {"model": "fake", "prompt": "hello", "max_tokens": 100_000 // 50, "ignore_eos": True,
+            "stream": True}
+    started = threading.Barrier(65)
+    results: list = [None] * 64
+
+    def run(i: int) -> None:
+        try:
+            results[i] = stream_events(url, body, started)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=60)  # every stream has its first event
+    os.kill(worker, signal.SIGKILL)
+    took = wait_for(lambda: health(url) == 503, 5, "/health to say 503")
+    assert took < 1.0, f"/health said 503 only after {took:.2f} s"
+    for t in threads:
+        t.join(timeout=60)
+    for events in results:
+        assert isinstance(events, list), events
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "service_unavailable", events[-2]
+
+    wait_for(lambda: health(url) == 200, 60, "the restarted worker")
+    [restarted] = children(proc.pid)
+    assert restarted != worker and not alive(worker)  # the dead one was reaped
+    r = httpx.post(url + "/v1/completions", json={**body, "stream": False, "max_tokens": 5}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    metrics = httpx.get(url + "/metrics").text
+    assert "trio_infer_sessions_active 0.0" in metrics
+    assert "trio_infer_requests_running 0.0" in metrics
+
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output[-3000:]
+    assert "restarting the batching worker (1 of at most" in output
+    assert not alive(restarted), "the worker outlived its server"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_no_child_left_after_a_graceful_stop(server, signum) -> None:  # type: ignore[no-untyped-def]
+    proc, url = server
+    [worker] = children(proc.pid)
+    proc.send_signal(signum)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    wait_for(lambda: not alive(worker), 10, "the worker to exit")
+
+
+def test_the_worker_exits_when_its_front_end_is_killed(server) -> None:  # type: ignore[no-untyped-def]
+    proc, url = server
+    [worker] = children(proc.pid)
+    proc.kill()  # no cleanup at all on the front end's side
+    proc.wait()
+    wait_for(lambda: not alive(worker), 10, "the orphaned worker to exit")
+
+
+def test_a_model_that_cannot_load_fails_the_start_with_its_error(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "trio_infer", "serve", "--model", str(tmp_path / "missing"),
+         "--port", str(free_port()), "--cache-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0
+    assert "missing" in out.stdout + out.stderr
