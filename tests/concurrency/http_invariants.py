@@ -5,7 +5,10 @@ one ``finish_reason`` per choice and ``[DONE]``), an OpenAI error with a status 
 explains (400 context too long, 503 draining or queue full, 500 engine fault), or an error event
 then ``[DONE]`` inside a stream. Text is exactly what the fake model writes, cut at the stop
 strings. A client that disconnects has its request ended by the server (its ASGI call returns)
-within :data:`~.http_runner.DISCONNECT_NOTICE_S`. Once every client is done, the engine is idle.
+within :data:`~.http_runner.DISCONNECT_NOTICE_S`, and nothing of it is left in the front end by
+then. Once every client is done, the front end is idle at once and the worker once it has applied
+the last aborts. Each request's session (logged by the tap around ``generate``) passes the same
+per-uid bound and stall checks as in the engine suite.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import json
 from typing import Any
 
 from .char_tokenizer import CharTokenizer
+from trio_infer.runtime.errors import RequestStalled
+
 from .http_runner import DISCONNECT_NOTICE_S, HttpRecord, HttpReport
-from .invariants import check_engine_ends, check_pages_idle
-from .runner import actor_errors
+from .invariants import check_engine_ends, check_pages_idle, check_session
+from .runner import SessionLog, runtime_errors
 from .scenario import HTTP_MODEL, ExpectedText, expected_text
 
 
@@ -24,10 +29,20 @@ def check_http_all(report: HttpReport) -> None:
     assert report.idle_error is None, f"with every client done: {report.idle_error}"
     assert report.live_asgi_calls == 0, f"{report.live_asgi_calls} ASGI call(s) still running"
     assert report.tasks_after == report.tasks_before, "tasks still alive after the app stopped"
-    check_engine_ends(report.engine, report.metrics)
+    registered = sum(log.n for log in report.tap.sessions.values())
+    check_engine_ends(report.engine, report.metrics, registered)
     check_pages_idle(report.engine)
+    sc = report.scenario
+    for log in report.tap.sessions.values():
+        assert log.owner is not None, f"session {log.request_id} opened outside any test request"
+        check_session(log, sc.channel_capacity, sc.stall_timeout_s, report.engine,
+                      who=f"HTTP request #{log.owner}'s session {log.request_id}")
     for index, rec in enumerate(report.records):
         check_http_client(report, index, rec)
+
+
+def sessions_of(report: HttpReport, index: int) -> list[SessionLog]:
+    return [log for log in report.tap.sessions.values() if log.owner == index]
 
 
 def _expected(report: HttpReport, rec: HttpRecord) -> ExpectedText:
@@ -58,7 +73,7 @@ def check_http_client(report: HttpReport, index: int, rec: HttpRecord) -> None:
             f"client disconnected"
         )
         if rec.status == 200 and req.stream:
-            _check_stream(report, who, rec, complete=False)
+            _check_stream(report, index, who, rec, complete=False)
         return
 
     assert rec.status is not None, f"{who}: no status"
@@ -67,10 +82,10 @@ def check_http_client(report: HttpReport, index: int, rec: HttpRecord) -> None:
         assert _error(who, rec.body)["code"] == "context_length_exceeded", who
         return
     if rec.status != 200:
-        _check_error_status(report, who, rec)
+        _check_error_status(report, index, who, rec)
         return
     if req.stream:
-        _check_stream(report, who, rec, complete=True)
+        _check_stream(report, index, who, rec, complete=True)
     else:
         _check_json(report, who, rec)
 
@@ -81,7 +96,7 @@ def _error(who: str, body: bytes) -> dict[str, Any]:
     return obj["error"]
 
 
-def _allowed_errors(report: HttpReport, rec: HttpRecord) -> set[str]:
+def _allowed_errors(report: HttpReport, rec: HttpRecord, index: int) -> set[str]:
     """The error codes the scenario can explain for this request."""
     sc = report.scenario
     allowed = set()
@@ -91,17 +106,23 @@ def _allowed_errors(report: HttpReport, rec: HttpRecord) -> set[str]:
         allowed.add("overloaded")
     if report.engine.stats.failed_steps:
         allowed.add("engine_error")
-    if rec.max_gap >= sc.stall_timeout_s:
+    # A stall is explained by the session's log: check_session verified it against the reads.
+    if any(isinstance(log.error, RequestStalled) for log in sessions_of(report, index)):
+        assert rec.max_gap >= sc.stall_timeout_s, (
+            f"HTTP request #{index}: stalled, but its client never went {sc.stall_timeout_s} s "
+            f"without reading (longest gap {rec.max_gap})"
+        )
         allowed.add("stalled")
     return allowed
 
 
-def _check_error_status(report: HttpReport, who: str, rec: HttpRecord) -> None:
+def _check_error_status(report: HttpReport, index: int, who: str, rec: HttpRecord) -> None:
     err = _error(who, rec.body)
     status = {"service_unavailable": 503, "overloaded": 503, "engine_error": 500}
-    assert err["code"] in _allowed_errors(report, rec) and status.get(err["code"]) == rec.status, (
-        f"{who}: answered {rec.status} {err} (allowed: {sorted(_allowed_errors(report, rec))}; "
-        f"the actor's errors: {actor_errors()})"
+    allowed = _allowed_errors(report, rec, index)
+    assert err["code"] in allowed and status.get(err["code"]) == rec.status, (
+        f"{who}: answered {rec.status} {err} (allowed: {sorted(allowed)}; "
+        f"the runtime's errors: {runtime_errors()})"
     )
 
 
@@ -142,7 +163,8 @@ def _events(who: str, body: bytes) -> list[Any]:
     return events
 
 
-def _check_stream(report: HttpReport, who: str, rec: HttpRecord, complete: bool) -> None:
+def _check_stream(report: HttpReport, index: int, who: str, rec: HttpRecord,
+                  complete: bool) -> None:
     req = rec.request
     events = _events(who, rec.body)
     done = [i for i, e in enumerate(events) if e == "[DONE]"]
@@ -155,10 +177,10 @@ def _check_stream(report: HttpReport, who: str, rec: HttpRecord, complete: bool)
     if errors:
         assert errors == [len(chunks) - 1], f"{who}: an error event that is not the last one"
         code = chunks[-1]["error"]["code"]
-        allowed = _allowed_errors(report, rec)
+        allowed = _allowed_errors(report, rec, index)
         assert code in allowed, (
-            f"{who}: error event {chunks[-1]} (allowed: {sorted(allowed)}; the actor's errors: "
-            f"{actor_errors()})"
+            f"{who}: error event {chunks[-1]} (allowed: {sorted(allowed)}; the runtime's errors: "
+            f"{runtime_errors()})"
         )
         chunks = chunks[:-1]
     exp = _expected(report, rec)

@@ -1,8 +1,12 @@
 """Runs an :class:`~.scenario.HttpScenario` through the whole quart-trio app, in process.
 
-The app is the real one (``create_app``), serving the fake model through :class:`ProbeEngine`
-and the character tokenizer; clients are Quart test connections (no sockets), one task each, all
-under one ``MockClock(autojump_threshold=0)``. A client that leaves sends ``http.disconnect``,
+The app is the real one (``create_app(settings, loaded=(engine, tokenizer))``), whose front end
+talks to the batching worker over the in-memory transport (the same ``WorkerCore`` and protocol
+bytes as a worker process, in a task of the app's nursery), serving the fake model through
+:class:`ProbeEngine` and the character tokenizer; clients are Quart test connections (no
+sockets), one task each, all under one ``MockClock(autojump_threshold=0)``. The
+:class:`~.runner.SessionTap` wraps the front end's ``generate``, which the routes call (the
+streaming body enters the session itself), so every session is logged as in the engine suite. A client that leaves sends ``http.disconnect``,
 which is how quart-trio learns that a peer went away, and then waits for the server's ASGI call
 to return; only then does it leave the connection block by cancellation (the test connection's
 ``__aexit__`` would otherwise wait forever for a final body the cancelled app never sends; see
@@ -21,26 +25,28 @@ from quart_trio.testing.connections import TestHTTPConnection
 
 from trio_infer.app import create_app, drain
 from trio_infer.api.state import server_state
-from trio_infer.engine.engine import EngineConfig
 from trio_infer.metrics import Metrics
-from trio_infer.models.fake import FakeModel
-from trio_infer.runtime.engine_actor import AsyncEngine
+from trio_infer.runtime.client import AsyncEngine
 from trio_infer.settings import Settings
 
 from .char_tokenizer import CharTokenizer
-from .invariants import check_idle
+from .invariants import check_front_idle, check_worker_idle
 from .runner import (
-    ACTOR_ERRORS,
     CURRENT_CLIENT,
     DEADLINE_S,
+    RUNTIME_ERRORS,
     Event,
     Probe,
     ProbeEngine,
+    SessionTap,
+    SpinGuard,
     as_assertion,
+    build_engine,
+    settle,
     step_budget,
     watchdog,
 )
-from .scenario import EOS, HTTP_MODEL, VOCAB, HttpRequest, HttpScenario
+from .scenario import HTTP_MODEL, HttpRequest, HttpScenario
 
 # How long (virtual seconds) the server may take to end a request after the client disconnects.
 DISCONNECT_NOTICE_S = 1.0
@@ -49,8 +55,8 @@ DISCONNECT_NOTICE_S = 1.0
 class YieldingConnection(TestHTTPConnection):
     """The test connection, but every message the app sends is a checkpoint, as a send to a real
     socket is. The stock one hands ``http.response.start`` over without yielding, which leaves
-    no moment for a disconnect between the handler's return and the start of the body: the one
-    window in which only the request-scope middleware can end the session."""
+    no moment for a disconnect between the handler's return and the start of the body (where a
+    streaming response has checked admission but its body has not entered the session yet)."""
 
     async def _asgi_send(self, message: dict) -> None:
         await trio.lowlevel.checkpoint()
@@ -58,10 +64,11 @@ class YieldingConnection(TestHTTPConnection):
 
 
 class AsgiTracker:
-    """ASGI middleware around the whole app (outside the request-scope middleware). For each
-    test request it records when the server's ASGI call returned and whether anything of the
-    request (a session, a sequence) outlived it: everything must be gone by then, not later when
-    the garbage collector finalizes a forgotten generator."""
+    """ASGI middleware around the whole app. For each test request it records when the server's
+    ASGI call returned and whether anything of the request outlived it on the front end's side (a
+    session, a per-uid entry): everything must be gone by then, not later when the garbage
+    collector finalizes a forgotten generator. The worker hears of it between steps: that bound is
+    the probe's (``STEPS_AFTER_END``)."""
 
     def __init__(self, app: Any, engine: ProbeEngine) -> None:
         self.app = app
@@ -86,10 +93,21 @@ class AsgiTracker:
             self.live -= 1
             CURRENT_CLIENT.reset(token)
             if key is not None:
-                left = self.engine.alive_of(key)
+                left = self.alive_of(key)
                 if left:
                     self.outlived[key] = left
                 self.event(key).set()
+
+    def alive_of(self, key: int) -> list:
+        """What the front end still holds of test request ``key``: its open sessions, and the
+        uids of its sessions it still tracks."""
+        tap = self.engine.tap
+        if tap is None:
+            return []
+        live = set(tap.ae.live_uids())
+        mine = [log for log in tap.sessions.values() if log.owner == key]
+        return ([f"session {log.request_id}" for log in mine if log.exited is None]
+                + [u for log in mine for u in log.uids if u in live])
 
 
 @dataclass
@@ -114,6 +132,7 @@ class HttpReport:
     scenario: HttpScenario
     engine: ProbeEngine
     actor: AsyncEngine
+    tap: SessionTap
     metrics: Metrics
     records: list[HttpRecord]
     drain_started: Event | None
@@ -183,15 +202,8 @@ class _App:
         self.sc = sc
         self.probe = Probe()
         shape = sc.engine
-        self.engine = ProbeEngine(
-            FakeModel(vocab_size=VOCAB, eos_token_id=EOS, name=HTTP_MODEL),
-            EngineConfig(page_size=shape.page_size, num_pages=shape.num_pages,
-                         max_running=shape.max_running,
-                         max_batched_tokens=shape.max_batched_tokens,
-                         enable_prefix_cache=shape.prefix_cache),
-            sc.fail_steps,
-            self.probe,
-        )
+        self.engine = build_engine(shape, sc.fail_steps, self.probe, sc.channel_capacity,
+                                   name=HTTP_MODEL)
         self.engine.max_steps = step_budget(sum(
             r.n * (len(r.prompt) + (r.max_tokens or shape.max_model_len)) for r in sc.requests
         ))
@@ -208,9 +220,11 @@ class _App:
 
     async def run(self) -> None:
         async with self.app.test_app() as test_app:
-            actor = server_state(self.app).engine
-            assert actor is not None
-            self.engine.actor = actor
+            ae = server_state(self.app).engine
+            assert ae is not None and ae.connection is not None
+            self.engine.ae = ae
+            self.engine.core = ae.connection.core  # type: ignore[attr-defined]
+            self.engine.tap = SessionTap(ae, self.probe)
             client = test_app.test_client()
             client.http_connection_class = YieldingConnection
             async with trio.open_nursery() as outer:
@@ -223,9 +237,15 @@ class _App:
                         clients.start_soon(self.drainer)
                 outer.cancel_scope.cancel()  # the watchdog
             # Every client is done and the app still runs: nothing may be left of any request
-            # (after the app stops, its shutdown would clean up for us and hide a leak).
+            # (after the app stops, its shutdown would clean up for us and hide a leak). The
+            # front end must be idle at once; the worker once it has applied the last aborts.
             try:
-                check_idle(actor, self.engine)
+                check_front_idle(ae)
+                assert await settle(self.engine), (
+                    f"the worker did not apply the front end's last messages: its live uids "
+                    f"{self.engine.core.live_uids}, the engine holds {self.engine.num_requests}"
+                )
+                check_worker_idle(ae, self.engine.core, self.engine)
             except AssertionError as exc:
                 self.idle_error = str(exc)
             self.live_asgi_calls = self.tracker.live
@@ -241,20 +261,22 @@ class _App:
         await drain(self.app, self.sc.drain_grace)
 
 
-async def _http_main(sc: HttpScenario) -> HttpReport:
+async def _http_main(sc: HttpScenario, guard: SpinGuard) -> HttpReport:
     tasks_before = trio.lowlevel.current_statistics().tasks_living
     run = _App(sc)
+    guard.engine, guard.waiting_clients = run.engine, run.waiting_clients
     with trio.fail_after(2 * DEADLINE_S), trio.CancelScope() as run.engine.run_scope:
         await run.run()
     if run.engine.failure is not None:
         raise run.engine.failure
-    assert run.engine.actor is not None
+    assert run.engine.ae is not None and run.engine.tap is not None
     for index, rec in enumerate(run.records):
         rec.outlived = run.tracker.outlived.get(index, [])
     return HttpReport(
         scenario=sc,
         engine=run.engine,
-        actor=run.engine.actor,
+        actor=run.engine.ae,
+        tap=run.engine.tap,
         metrics=server_state(run.app).metrics,
         records=run.records,
         drain_started=run.drain_started,
@@ -267,7 +289,8 @@ async def _http_main(sc: HttpScenario) -> HttpReport:
 
 def run_http_scenario(sc: HttpScenario) -> HttpReport:
     trio._core._run._r.seed(sc.sched_seed)
-    ACTOR_ERRORS.errors.clear()
+    RUNTIME_ERRORS.errors.clear()
     clock = trio.testing.MockClock(autojump_threshold=0)
+    guard = SpinGuard()
     with as_assertion():
-        return trio.run(_http_main, sc, clock=clock)
+        return trio.run(_http_main, sc, guard, clock=clock, instruments=[guard])

@@ -1,81 +1,269 @@
 """The lifecycle invariants of BRIEF.md section 4, checked on a finished run.
 
 Each check raises ``AssertionError`` with a message that names the request and what it saw, so a
-shrunk counterexample reads as a story.
+shrunk counterexample reads as a story. The checks of a session's reads (:func:`check_session`)
+and of the front end's state (:func:`check_front_idle`) use only what a test can see from outside
+the front end; the process variant (``test_process_lifecycle.py``) uses them too.
 """
 
 from __future__ import annotations
 
-from trio_infer.engine.engine import Engine, RequestOutput
-from trio_infer.runtime.engine_actor import AsyncEngine
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Hashable
 
+from trio_infer.engine.engine import Engine
 from trio_infer.metrics import Metrics
+from trio_infer.runtime.client import AsyncEngine
+from trio_infer.runtime.errors import RequestFailed, RequestStalled
+from trio_infer.runtime.protocol import Output, Uid
+from trio_infer.runtime.worker import WorkerCore
 
-from .runner import ProbeEngine, Record, Report, actor_errors
+from .runner import ProbeEngine, Record, Report, SessionLog, runtime_errors, stats_idle
 from .scenario import Scenario, expected_output
+
+EPS = 1e-6  # virtual times are sums of exact binary fractions; this only absorbs float rounding
 
 
 def check_all(report: Report) -> None:
     check_nothing_left(report)
     check_ended_exactly_once(report)
+    sc = report.scenario
+    for log in report.tap.sessions.values():
+        check_session(log, sc.channel_capacity, sc.stall_timeout_s, report.engine)
     for index, rec in enumerate(report.records):
         check_client(report, index, rec)
 
 
+# -- invariant 1: nothing left -------------------------------------------------------------------
+
+
 def check_nothing_left(report: Report) -> None:
-    """Invariant 1, and no task left behind."""
-    check_idle(report.actor, report.engine)
+    """Invariant 1 on both sides of the protocol, and no task left behind. After a hard stop the
+    worker is gone (a killed process keeps nothing either): only the front end is checked."""
+    check_front_idle(report.actor)
+    if not report.hard_stop:
+        assert report.shutdown.settled and report.settled, (
+            "the worker did not apply the front end's last messages within "
+            f"{'the drain' if not report.shutdown.settled else 'the end of the run'}: "
+            f"worker's live uids {report.core.live_uids}, engine holds {report.engine.num_requests}"
+        )
+        check_worker_idle(report.actor, report.core, report.engine)
     assert report.tasks_after == report.tasks_before, (
         f"{report.tasks_after - report.tasks_before} task(s) still alive after the scenario"
     )
     assert report.children_after == 0, "the main task still has children"
 
 
-def check_idle(ae: AsyncEngine, e: Engine) -> None:
-    """Invariant 1: sessions, per-uid maps, queues and pages back to zero (bar the prefix
-    cache's own pages). Only true once every client is done."""
-    assert ae.num_sessions == 0, f"live sessions left: {list(ae._sessions)}"
-    assert not ae._by_uid, f"per-uid entries left: {list(ae._by_uid)}"
-    assert not e._seqs, f"engine still holds requests: {list(e._seqs)}"
+def check_front_idle(ae: AsyncEngine) -> None:
+    """The front end: no session, no per-uid entry, the sessions gauge at 0."""
+    assert ae.num_sessions == 0, f"{ae.num_sessions} live session(s) left in the front end"
+    assert ae.live_uids() == [], f"per-uid entries left in the front end: {ae.live_uids()}"
+    assert ae.metrics.sessions_active._value.get() == 0, "sessions_active gauge is not 0"
+
+
+def check_worker_idle(ae: AsyncEngine, core: WorkerCore, e: Engine) -> None:
+    """The worker: no per-uid credit entry, no sequence, empty queues, no page but the prefix
+    cache's; and the statistics it last sent to the front end say so."""
+    assert core.live_uids == [], f"per-uid entries left in the worker: {core.live_uids}"
+    assert e.num_requests == 0, f"the engine still holds {e.num_requests} request(s)"
     assert not e.scheduler.running, f"running left: {[s.uid for s in e.scheduler.running]}"
     assert not e.scheduler.waiting, f"waiting left: {[s.uid for s in e.scheduler.waiting]}"
     check_pages_idle(e)
-    assert ae.metrics.sessions_active._value.get() == 0, "sessions_active gauge is not 0"
+    assert stats_idle(ae), f"the front end's last statistics from the worker are not idle: {ae.stats}"
 
 
 def check_pages_idle(e: Engine) -> None:
     """With nothing running, a page is either free or held by the prefix cache alone."""
     pool = e.pool
-    used = {p for p in range(pool.num_pages) if pool.refcount(p) > 0}
-    assert len(used) == pool.num_used, "the pool's free list and its reference counts disagree"
-    cache = e.prefix_cache
-    cached = {node.page for node in cache._lru.values()} if cache is not None else set()
-    assert used == cached, (
-        f"KV pages in use with no request running: {sorted(used - cached)} not held by the "
-        f"prefix cache (which holds {len(cached)})"
+    refs = [pool.refcount(p) for p in range(pool.num_pages)]
+    used = sum(1 for r in refs if r > 0)
+    assert used == pool.num_used, "the pool's free list and its reference counts disagree"
+    assert e.num_request_pages == 0, (
+        f"{e.num_request_pages} KV page(s) in use with no request running (pool: {pool.num_used} "
+        f"used, the prefix cache holds {e.num_cached_pages})"
     )
-    shared = {p: pool.refcount(p) for p in used if pool.refcount(p) != 1}
-    assert not shared, f"idle pages with more than the cache's reference: {shared}"
+    cached = e.num_cached_pages
+    assert used == cached, f"{used} pages in use, the prefix cache holds {cached}"
+    shared = sum(1 for r in refs if r > 1)
+    assert not shared, f"{shared} idle page(s) with more than the cache's reference"
+
+
+# -- invariant 3: ended exactly once -------------------------------------------------------------
 
 
 def check_ended_exactly_once(report: Report) -> None:
-    """Invariant 3, engine side: every admitted sequence ended once (finish or abort), and the
-    metrics counted each end once."""
-    check_engine_ends(report.engine, report.actor.metrics)
+    registered = sum(log.n for log in report.tap.sessions.values())
+    check_engine_ends(report.engine, report.actor.metrics, registered, report.hard_stop)
 
 
-def check_engine_ends(e: ProbeEngine, metrics: Metrics) -> None:
+def check_engine_ends(e: ProbeEngine, metrics: Metrics, registered: int,
+                      hard_stop: bool = False) -> None:
+    """Invariant 3: in the worker, every sequence it admitted ended once (finish or abort; never
+    twice, and never not at all unless the worker was stopped hard); in the front end,
+    ``requests_total`` counted each of its uids' ends once."""
     twice = {uid: n for uid, n in e.ends.items() if n != 1}
-    assert not twice, f"sequences that ended more than once: {twice}"
-    never = e.admitted - set(e.ends)
-    assert not never, f"sequences that never ended: {sorted(never)}"
+    assert not twice, f"sequences that ended more than once in the worker: {twice}"
+    if not hard_stop:
+        never = e.admitted - set(e.ends)
+        assert not never, f"sequences that never ended in the worker: {sorted(never)}"
+    check_front_ends(metrics, registered)
+
+
+def check_front_ends(metrics: Metrics, registered: int) -> None:
     counted = sum(
         metrics.requests_total.labels(finish_reason=r)._value.get()
         for r in ("stop", "length", "abort", "error")
     )
-    assert counted == len(e.admitted), (
-        f"requests_total counts {counted} ends for {len(e.admitted)} sequences"
+    assert counted == registered, (
+        f"requests_total counts {counted} ends for the {registered} sequences the front end "
+        f"registered"
     )
+
+
+# -- a session's reads: the per-uid bound and the stall, as the front end measures it -----------
+
+
+@dataclass
+class Pauses:
+    """When a session was *paused* in the front end's sense: some unfinished uid of it had
+    ``capacity`` outputs delivered and not taken by the reader (0 credits). The front end's stall
+    clock runs from the delivery that made it so until the reader's next read (which takes
+    everything in the channel), the end of its last unfinished choice, or a stall abort at
+    ``since + stall_timeout_s``."""
+
+    closed: list[tuple[float, float]] = field(default_factory=list)  # (since, until)
+    open_since: float | None = None  # still paused when the timeline stopped
+    unfinished: set[Uid] = field(default_factory=set)
+    emitted: Counter = field(default_factory=Counter)
+    taken: Counter = field(default_factory=Counter)
+
+
+def pause_timeline(log: SessionLog, emissions: dict[Hashable, list], capacity: int,
+                   until_seq: float) -> Pauses:
+    """Replay a session's events (the worker's emissions for its uids, its reader's reads and
+    ``finish`` calls) in the order they happened, up to ``until_seq``. An emission stands for its
+    delivery: under the mock clock both happen at the same virtual instant."""
+    events: list[tuple[int, int, float, object]] = []
+    for uid in log.uids:
+        for ev, final in emissions.get(uid, ()):
+            events.append((ev.seq, 0, ev.time, (uid, final)))
+    for read in log.reads:
+        events.append((read.event.seq, 1, read.event.time, read))
+    for ev, index in log.finishes:
+        events.append((ev.seq, 2, ev.time, (log.request_id, index)))
+    events.sort(key=lambda e: e[0])
+    p = Pauses(unfinished=set(log.uids))
+
+    def close(t: float) -> None:
+        if p.open_since is not None:
+            p.closed.append((p.open_since, t))
+            p.open_since = None
+
+    for seq, kind, t, what in events:
+        if seq >= until_seq:
+            break
+        if kind == 0:  # the worker emitted an output (the front end drops those of ended uids)
+            uid, final = what  # type: ignore[misc]
+            if uid not in p.unfinished:
+                continue
+            p.emitted[uid] += 1
+            if final:
+                p.unfinished.discard(uid)
+                if not p.unfinished:
+                    close(t)
+            elif p.open_since is None and p.emitted[uid] - p.taken[uid] >= capacity:
+                p.open_since = t
+        elif kind == 1:  # a read takes everything delivered; what is still in transit stays
+            for out in what.outputs:  # type: ignore[attr-defined]
+                p.taken[out.uid] += 1
+            close(t)
+            if any(p.emitted[u] - p.taken[u] >= capacity for u in p.unfinished):
+                p.open_since = t
+        else:  # stream.finish(i): the front end forgets the uid
+            p.unfinished.discard(what)  # type: ignore[arg-type]
+            if not p.unfinished:
+                close(t)
+    return p
+
+
+def check_reads_bounded(log: SessionLog, capacity: int, who: str) -> None:
+    """The per-uid bound from the reader's side: one read takes everything the channel holds, so
+    no read may take more than ``capacity`` outputs of one uid."""
+    for read in log.reads:
+        per_uid = Counter(out.uid for out in read.outputs)
+        over = {uid: k for uid, k in per_uid.items() if k > capacity}
+        assert not over, (
+            f"{who}: one read at t={read.event.time} took {over} outputs, more than the "
+            f"{capacity} credits of a uid"
+        )
+
+
+def first_dead_read(log: SessionLog) -> int | None:
+    """Index of the first read after which the front end no longer tracked any uid of a session
+    that still had unfinished choices: the session had ended on the front end's side (stall
+    abort, failure, shutdown) and the reader was taking what was left in its channel."""
+    finished: set[Uid] = set()
+    for i, read in enumerate(log.reads):
+        finished |= {out.uid for out in read.outputs if out.finish_reason is not None}
+        finished |= {(log.request_id, idx) for ev, idx in log.finishes if ev.seq < read.event.seq}
+        if not read.live and set(log.uids) - finished:
+            return i
+    return None
+
+
+def check_session(log: SessionLog, capacity: int, timeout: float, engine: ProbeEngine,
+                  who: str | None = None) -> None:
+    """Invariant 5 (the per-uid bound) and the stall rule, for one session, against the worker's
+    emissions: a session is aborted as stalled exactly ``stall_timeout_s`` after it paused (some
+    uid at 0 credits) if its reader takes nothing meanwhile, and never otherwise; the outputs of
+    the stalled uid that were in its channel all reach the reader first (none dropped)."""
+    who = who or f"session {log.request_id} (client #{log.owner})"
+    check_reads_bounded(log, capacity, who)
+    dead = first_dead_read(log)
+    if dead is not None:
+        split = log.reads[dead].event.seq
+    elif log.error is not None:
+        split = log.ended.seq  # type: ignore[union-attr]
+    else:
+        split = float("inf")
+    p = pause_timeline(log, engine.emissions, capacity, split)
+    for since, until in p.closed:
+        assert until - since <= timeout + EPS, (
+            f"{who}: its reader left {capacity} outputs of a choice untaken from t={since} to "
+            f"t={until}, longer than the stall timeout ({timeout}), and it was not aborted"
+        )
+    if isinstance(log.error, RequestStalled):
+        assert p.open_since is not None, (
+            f"{who}: stalled, but no choice had {capacity} outputs untaken when it was aborted "
+            f"(untaken: { {u: p.emitted[u] - p.taken[u] for u in sorted(p.unfinished)} }, "
+            f"reads at {[r.event.time for r in log.reads]})"
+        )
+        aborts = [engine.abort_event[u] for u in p.unfinished if u in engine.abort_event]
+        if aborts:
+            at = min(ev.time for ev in aborts)
+            assert abs(at - (p.open_since + timeout)) <= EPS, (
+                f"{who}: stalled at t={at}, but its reader left {capacity} outputs untaken from "
+                f"t={p.open_since}: the stall abort is due at t={p.open_since + timeout} "
+                f"(timeout {timeout})"
+            )
+        # The stalled uid's outputs were all delivered (it had no credit left to be sent more):
+        # the reader must get every one of them before the error.
+        full = [u for u in p.unfinished if p.emitted[u] - p.taken[u] >= capacity]
+        got = Counter(out.uid for read in log.reads for out in read.outputs)
+        assert any(got[u] == p.emitted[u] for u in full), (
+            f"{who}: stalled with {capacity} outputs of {full} in its channel, but the reader got "
+            f"{ {u: got[u] for u in full} } of their { {u: p.emitted[u] for u in full} }"
+        )
+    elif p.open_since is not None and log.error is None and dead is None and log.exited is not None:
+        assert log.exited.time - p.open_since <= timeout + EPS, (
+            f"{who}: its reader left {capacity} outputs of a choice untaken from "
+            f"t={p.open_since} until it left at t={log.exited.time}, longer than the stall "
+            f"timeout ({timeout}), and it was not aborted"
+        )
+
+
+# -- each client ---------------------------------------------------------------------------------
 
 
 def _who(index: int, rec: Record) -> str:
@@ -84,32 +272,27 @@ def _who(index: int, rec: Record) -> str:
             f"n={len(r.choices)}, {r.client!r}, outcome {rec.outcome})")
 
 
-def check_client(report: Report, index: int, rec: Record) -> None:
-    sc: Scenario = report.scenario
-    req = rec.request
-    who = _who(index, rec)
-    n = len(req.choices)
-    assert rec.outcome is not None, f"{who}: the client ended without an outcome"
-
-    if rec.request_id is None:  # refused at the door
-        _check_refusal(report, who, rec)
-        return
-
-    # Invariant 2: only its own tokens, in order, no gap or duplicate; one finish, last.
-    per_choice: dict[int, list[RequestOutput]] = {i: [] for i in range(n)}
-    for _, outs in rec.reads:
+def check_outputs(who: str, request_id: int, prompt, choices, reads: list[list[Output]],
+                  max_model_len: int, vocab: int | None = None, eos: int | None = None) -> set[int]:
+    """Invariant 2: each choice gets only its own tokens, in order, without gap or duplicate, one
+    finish and nothing after it; a finished choice exactly the expected tokens, an unfinished one
+    a proper prefix. Returns the finished choices."""
+    n = len(choices)
+    kw = {} if vocab is None else {"vocab": vocab, "eos": eos}
+    per_choice: dict[int, list[Output]] = {i: [] for i in range(n)}
+    for outs in reads:
         assert outs, f"{who}: an empty read"
         for out in outs:
-            assert out.uid[0] == rec.request_id and out.uid[1] in per_choice, (
+            assert out.uid[0] == request_id and out.uid[1] in per_choice, (
                 f"{who}: got an output of {out.uid}"
             )
             per_choice[out.uid[1]].append(out)
     finished = set()
     for i, outs in per_choice.items():
-        exp = expected_output(req.prompt, req.choices[i], sc.engine.max_model_len)
+        exp = expected_output(prompt, choices[i], max_model_len, **kw)
         tokens = [t for o in outs for t in o.token_ids]
         for j, o in enumerate(outs):
-            assert o.num_prompt_tokens == len(req.prompt), f"{who} choice {i}: prompt count"
+            assert o.num_prompt_tokens == len(prompt), f"{who} choice {i}: prompt count"
             assert o.num_output_tokens == len([t for p in outs[: j + 1] for t in p.token_ids]), (
                 f"{who} choice {i}: output #{j} claims {o.num_output_tokens} tokens so far"
             )
@@ -131,6 +314,30 @@ def check_client(report: Report, index: int, rec: Record) -> None:
                 f"{who} choice {i}: unfinished with {tokens}, which is not a proper prefix of "
                 f"{list(exp.tokens)}"
             )
+    return finished
+
+
+def check_client(report: Report, index: int, rec: Record) -> None:
+    sc: Scenario = report.scenario
+    req = rec.request
+    who = _who(index, rec)
+    n = len(req.choices)
+    assert rec.outcome is not None, f"{who}: the client ended without an outcome"
+
+    if rec.request_id is None:  # refused at the door
+        _check_refusal(report, who, rec)
+        return
+
+    finished = check_outputs(who, rec.request_id, req.prompt, req.choices,
+                             [outs for _, outs in rec.reads], sc.engine.max_model_len)
+    too_long = len(req.prompt) >= sc.engine.max_model_len
+    refused = isinstance(rec.error, RequestFailed) and "refused" in str(rec.error)
+    if too_long:
+        # The front end does not know the context; the worker refuses the Add (RequestFailed).
+        assert not rec.reads and rec.outcome in ("RequestFailed", "EngineUnavailable", "cancelled"), (
+            f"{who}: a prompt too long for the context ({sc.engine.max_model_len}) was not refused"
+        )
+    assert not refused or too_long, f"{who}: a fitting prompt was refused: {rec.error}"
 
     # Invariant 3, client side: a stream that ends without an error has finished every choice
     # (never silence); an error is one the scenario can explain.
@@ -142,19 +349,22 @@ def check_client(report: Report, index: int, rec: Record) -> None:
                 f"{who}: read {after} outputs after ending every choice, more than its channel holds"
             )
         else:
-            assert finished == set(per_choice), (
-                f"{who}: the stream ended with choices {sorted(set(per_choice) - finished)} "
+            assert finished == set(range(n)), (
+                f"{who}: the stream ended with choices {sorted(set(range(n)) - finished)} "
                 f"unfinished"
             )
     elif rec.outcome == "RequestStalled":
-        _check_stall(report, who, rec, finished)
+        pass  # check_session checked the stall against the reads and the emissions
     elif rec.outcome == "RequestFailed":
         uids = {(rec.request_id, i) for i in range(n)}
-        assert uids & report.engine.failed_uids, f"{who}: failed, but no step carrying it raised"
+        assert refused or uids & report.engine.failed_uids, (
+            f"{who}: failed, but no step carrying it raised ({rec.error})"
+        )
     elif rec.outcome == "EngineUnavailable":
         sd = report.shutdown.started
         assert sd is not None and rec.error_event.seq > sd.seq, (
-            f"{who}: EngineUnavailable without a shutdown (the actor's errors: {actor_errors()})"
+            f"{who}: EngineUnavailable without a shutdown (the runtime's errors: "
+            f"{runtime_errors()})"
         )
     elif rec.outcome in ("left", "cancelled"):
         if rec.outcome == "left":
@@ -162,46 +372,23 @@ def check_client(report: Report, index: int, rec: Record) -> None:
         else:
             assert req.client.kind == "cancel", f"{who}: cancelled, but nobody cancelled it"
     else:
-        raise AssertionError(f"{who}: unexpected outcome (the actor's errors: {actor_errors()})")
+        raise AssertionError(f"{who}: unexpected outcome {rec.error!r} (the runtime's errors: "
+                             f"{runtime_errors()})")
 
 
 def _check_refusal(report: Report, who: str, rec: Record) -> None:
     sc, req = report.scenario, rec.request
-    if rec.outcome == "rejected":
-        assert len(req.prompt) >= sc.engine.max_model_len, f"{who}: a fitting prompt was refused"
-    elif rec.outcome == "EngineOverloaded":
-        assert rec.waiting_at_entry + len(req.choices) > sc.max_waiting, (
-            f"{who}: overloaded with {rec.waiting_at_entry} waiting of {sc.max_waiting}"
+    if rec.outcome == "EngineOverloaded":
+        # The front end counts the sequences that have no first output yet; all it can be is at
+        # most the uids it tracks.
+        assert rec.live_at_entry + len(req.choices) > sc.max_waiting, (
+            f"{who}: overloaded with {rec.live_at_entry} live sequences of {sc.max_waiting}"
         )
     elif rec.outcome == "EngineUnavailable":
         sd = report.shutdown.started
         assert sd is not None and rec.entry.seq > sd.seq, (
-            f"{who}: refused without a shutdown (the actor's errors: {actor_errors()})"
+            f"{who}: refused without a shutdown (the runtime's errors: {runtime_errors()})"
         )
     else:
-        raise AssertionError(f"{who}: not admitted, yet the outcome is {rec.outcome}")
+        raise AssertionError(f"{who}: not admitted, yet the outcome is {rec.outcome}: {rec.error!r}")
     assert not rec.reads
-
-
-def _check_stall(report: Report, who: str, rec: Record, finished: set[int]) -> None:
-    """A stall abort is legitimate only if, when it came, the channel was full and the reader had
-    not read for ``stall_timeout_s``."""
-    sc = report.scenario
-    uids = [(rec.request_id, i) for i in range(len(rec.request.choices))]
-    aborted = [report.engine.end_event[(rec.request_id, i)] for i in range(len(uids))
-               if i not in finished]
-    assert aborted, f"{who}: stalled, but every choice had finished"
-    abort = min(aborted, key=lambda ev: ev.seq)
-    before = [ev for ev, _ in rec.reads if ev.seq < abort.seq]
-    last = before[-1] if before else rec.admitted_event
-    assert abort.time - last.time >= sc.stall_timeout_s, (
-        f"{who}: stalled at t={abort.time} but it read at t={last.time} "
-        f"(timeout {sc.stall_timeout_s})"
-    )
-    buffered = sum(len(outs) for ev, outs in rec.reads if ev.seq > abort.seq)
-    unfinished_then = len(uids) - sum(1 for u in uids if u in report.engine.end_event
-                                      and report.engine.end_event[u].seq < abort.seq)
-    capacity = sc.channel_capacity * len(uids)
-    assert buffered + unfinished_then > capacity, (
-        f"{who}: stalled with only {buffered} outputs buffered of {capacity}"
-    )

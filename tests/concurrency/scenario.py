@@ -27,8 +27,9 @@ EOS = 0
 #   leave:    reads ``k`` chunks, then leaves the ``async with`` (a ``break``).
 #   slow:     sleeps ``delay`` seconds after every chunk.
 #   stall:    does not read for ``delay`` seconds, then reads everything.
-#   cancel:   reads everything, but its cancel scope is cancelled ``k`` ticks after it is
-#             admitted (k=0: while queued; small k: during prefill or with a step in flight).
+#   cancel:   reads everything, but its cancel scope is cancelled ``k`` ticks (after ``delay``
+#             seconds, process variant only) after it is admitted (k=0: before the worker has
+#             it; small k: queued, during prefill or with a step in flight).
 #   finish:   sleeps ``delay`` seconds after every chunk, like slow; after ``k`` chunks it ends
 #             every choice early with ``stream.finish(i)`` (what the HTTP layer does when a
 #             stop string matches), then reads what is left.
@@ -42,7 +43,8 @@ class Client:
     delay: float = 0.0
 
     def __repr__(self) -> str:
-        extra = {"leave": f", k={self.k}", "cancel": f", k={self.k}",
+        extra = {"leave": f", k={self.k}",
+                 "cancel": f", k={self.k}" + (f", delay={self.delay}" if self.delay else ""),
                  "slow": f", delay={self.delay}", "stall": f", delay={self.delay}",
                  "finish": f", k={self.k}, delay={self.delay}"}
         return f"Client({self.kind!r}{extra.get(self.kind, '')})"
@@ -76,8 +78,9 @@ class Request:
 
 @dataclass(frozen=True)
 class Shutdown:
-    """``cancel``: the actor is cancelled (a hard stop). ``drain``: new requests are refused,
-    live ones get ``grace`` seconds, then every session is failed and the actor cancelled."""
+    """``cancel``: the engine (front end and worker task) is cancelled, a hard stop.
+    ``drain``: new requests are refused, live ones get ``grace`` seconds, then every session is
+    failed (``abort_all``) and, once the worker has applied the aborts, the engine is cancelled."""
 
     kind: Literal["cancel", "drain"]
     at: float
@@ -116,16 +119,19 @@ class Expected:
     finish_reason: str  # "stop" | "length"
 
 
-def expected_output(prompt: tuple[int, ...] | list[int], choice: Choice, max_model_len: int) -> Expected:
+def expected_output(prompt: tuple[int, ...] | list[int], choice: Choice, max_model_len: int,
+                    vocab: int = VOCAB, eos: int = EOS) -> Expected:
     """What a choice must produce, from the fake model's pure next-token function and the engine's
-    stop rules (stop tokens and EOS are kept in the output; then max_tokens; then the context)."""
+    stop rules (stop tokens and EOS are kept in the output; then max_tokens; then the context).
+    ``vocab`` and ``eos`` are the fake model's: the suite's own, or (real worker process) the fake
+    tokenizer's."""
     seq = list(prompt)
     out: list[int] = []
     while True:
-        t = expected_next_token(seq, VOCAB, EOS)
+        t = expected_next_token(seq, vocab, eos)
         seq.append(t)
         out.append(t)
-        if (not choice.ignore_eos and t == EOS) or t in choice.stop_token_ids:
+        if (not choice.ignore_eos and t == eos) or t in choice.stop_token_ids:
             return Expected(tuple(out), "stop")
         if choice.max_tokens is not None and len(out) >= choice.max_tokens:
             return Expected(tuple(out), "length")
@@ -133,11 +139,12 @@ def expected_output(prompt: tuple[int, ...] | list[int], choice: Choice, max_mod
             return Expected(tuple(out), "length")
 
 
-def continuation(prompt: tuple[int, ...] | list[int], n: int) -> list[int]:
+def continuation(prompt: tuple[int, ...] | list[int], n: int, vocab: int = VOCAB,
+                 eos: int = EOS) -> list[int]:
     """The first ``n`` tokens the fake model writes after ``prompt`` (no stop rules)."""
     seq = list(prompt)
     for _ in range(n):
-        seq.append(expected_next_token(seq, VOCAB, EOS))
+        seq.append(expected_next_token(seq, vocab, eos))
     return seq[len(prompt):]
 
 
@@ -150,6 +157,7 @@ class Stats:
     preempted_paused: int = 0
     pauses: int = 0
     failed_steps: int = 0
+    steps_after_end: int = 0  # most steps a sequence was in after the front end ended it
 
 
 # -- the HTTP layer ------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Property: whatever the requests, clients, pool, faults and interleaving, every lifecycle
-invariant holds at the end of the run (engine actor and sessions, no HTTP)."""
+invariant holds at the end of the run (front-end sessions, protocol, worker and engine over the
+in-memory transport; no HTTP)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def report_events(report: Report) -> None:
     event(f"preempted: {'yes' if st.preemptions else 'no'}")
     event(f"preempted a paused sequence: {'yes' if st.preempted_paused else 'no'}")
     event(f"paused a sequence: {'yes' if st.pauses else 'no'}")
+    event(f"most steps a sequence was in after the front end ended it: {st.steps_after_end}")
     if st.failed_steps:
         event("a step raised")
     if report.scenario.shutdown is not None:

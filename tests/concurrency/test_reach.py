@@ -7,6 +7,8 @@ these fail instead. Each also passes through every invariant check.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from .invariants import check_all
@@ -45,7 +47,9 @@ def test_a_reader_that_never_reads_is_aborted_after_the_timeout() -> None:
     assert sum(len(outs) for _, outs in report.records[0].reads) == 2  # the buffered ones
 
 
-def test_cancellation_reaches_queued_prefill_and_in_flight_steps() -> None:
+def test_cancellation_reaches_sent_queued_prefill_and_in_flight_steps() -> None:
+    # "sent": the front end has the request and the worker has not applied its Add yet.
+    # "queued": the worker has it, waiting behind another request (max_running=1).
     shape = EngineShape(page_size=4, num_pages=16, max_running=1, max_batched_tokens=4)
     phases = set()
     for seed in range(3):
@@ -53,7 +57,10 @@ def test_cancellation_reaches_queued_prefill_and_in_flight_steps() -> None:
             req = Request((2,) * 20, LONG, client=Client("cancel", k=k))
             report = run(Scenario(shape, (req,), sched_seed=seed))
             phases.add(report.records[0].cancel_phase)
-    assert {"queued", "prefill, step in flight", "decode, step in flight"} <= phases, phases
+            first = Request((1,) * 4, LONG)
+            report = run(Scenario(shape, (first, replace(req, ticks=3)), sched_seed=seed))
+            phases.add(report.records[1].cancel_phase)
+    assert {"sent", "queued", "prefill, step in flight", "decode, step in flight"} <= phases, phases
 
 
 def test_a_failing_step_fails_only_the_requests_it_carried() -> None:
