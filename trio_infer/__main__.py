@@ -84,7 +84,11 @@ async def serve(settings: Settings, *, task_status: Any = trio.TASK_STATUS_IGNOR
 
     app = create_app(settings)
     config = Config()
-    config.bind = [f"{settings.host}:{settings.port}"]
+    # --api-workers: the supervisor hands each front end the listening socket it bound.
+    if settings.listen_fd is not None:
+        config.bind = [f"fd://{settings.listen_fd}"]
+    else:
+        config.bind = [f"{settings.host}:{settings.port}"]
     # Our own drain has ended every request by the time hypercorn is told to stop; this only
     # bounds the wait for connections to close.
     config.graceful_timeout = 2.0
@@ -100,7 +104,13 @@ async def serve(settings: Settings, *, task_status: Any = trio.TASK_STATUS_IGNOR
         shutdown.set()  # hypercorn stops accepting and closes the (now finished) connections
 
     async def watch_signals(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        # A front end of `serve --api-workers` hears only its supervisor (SIGTERM): a Ctrl-C
+        # reaches the whole process group, and the supervisor forwards it once.
+        supervised = settings.listen_fd is not None
+        if supervised:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        watched = (signal.SIGTERM,) if supervised else (signal.SIGTERM, signal.SIGINT)
+        with trio.open_signal_receiver(*watched) as signals:
             task_status.started()
             draining = False
             async for signum in signals:
@@ -131,6 +141,10 @@ def _serve_main(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     settings = _settings(args, list(Settings.model_fields))
+    if settings.api_workers > 1:
+        from trio_infer.supervisor import run
+
+        return run(settings, str(args.log_level))
     trio.run(serve, settings)
     return 0
 

@@ -74,6 +74,23 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(4 * 2**20, ge=1024)
     api_key: str | None = None
 
+    # -- processes ----------------------------------------------------------------------------
+    api_workers: int = Field(
+        1, ge=1, description="Front-end processes sharing the listening socket, all served by one "
+        "batching worker (serve only).",
+    )
+    worker_address: str | None = Field(
+        None, description="Connect to a shared batching worker listening on this Unix socket "
+        "instead of starting one (set by serve --api-workers for its front ends).",
+    )
+    worker_connect_timeout_s: float = Field(
+        600.0, gt=0, description="With worker_address: how long to wait for the worker to listen.",
+    )
+    listen_fd: int | None = Field(
+        None, description="Serve on this inherited listening socket instead of host:port (set by "
+        "serve --api-workers for its front ends).",
+    )
+
     # -- server -------------------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = 8000

@@ -70,6 +70,8 @@ class Hello(msgspec.Struct, tag="hello", array_like=True):
     vocab_size: int
     max_model_len: int
     num_pages: int
+    id_offset: int = 0  # this front end numbers its requests id_offset + k * id_stride, k >= 1
+    id_stride: int = 1
 
 
 class Output(msgspec.Struct, array_like=True):

@@ -71,6 +71,24 @@ async def open_worker_process(settings: Settings) -> AsyncIterator[Connection]:
             log.info("batching worker %d exited (%s)", process.pid, process.returncode)
 
 
+@asynccontextmanager
+async def open_worker_socket(path: str, timeout_s: float) -> AsyncIterator[Connection]:
+    """Connect to a shared worker listening on the Unix socket ``path`` (``serve --api-workers``),
+    waiting up to ``timeout_s`` for it to appear (it may be loading the model, or restarting)."""
+    with trio.fail_after(timeout_s):
+        while True:
+            try:
+                stream = await trio.open_unix_socket(path)
+                break
+            except OSError:
+                await trio.sleep(0.1)
+    try:
+        yield stream
+    finally:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+
+
 class MemoryConnection:
     """The front end's end of an in-process worker."""
 

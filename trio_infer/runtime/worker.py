@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import selectors
 import signal
 import socket
 import sys
@@ -49,22 +50,33 @@ log = logging.getLogger(__name__)
 
 
 class WorkerCore:
-    """The engine behind the protocol. Messages are applied between steps only."""
+    """The engine behind the protocol. Messages are applied between steps only.
 
-    def __init__(self, engine: Engine) -> None:
+    One worker may serve several front ends (``serve --api-workers N``), each on a *port* (its
+    own pipe) with its own frame decoder. The front end on port ``p`` of ``num_ports`` numbers its
+    requests ``p + num_ports, p + 2 * num_ports, ...`` (its :class:`Hello` says so), so uids are
+    unique across ports and reach the engine unchanged; the core remembers each uid's port to send
+    its outputs there. The single-port methods (``receive_data``, ``run_step``, ``idle_frame``)
+    are port 0 of a one-port worker.
+    """
+
+    def __init__(self, engine: Engine, num_ports: int = 1) -> None:
         self.engine = engine
+        self.num_ports = num_ports
         self._credits: dict[Uid, int] = {}
-        self._decoder = FrameDecoder(ToWorker)
-        self._failed: list[Failed] = []
-        self._sent_stats: Stats | None = None
+        self._port_of: dict[Uid, int] = {}
+        self._decoders = {p: FrameDecoder(ToWorker) for p in range(num_ports)}
+        self._failed: dict[int, list[Failed]] = {}
+        self._sent_stats: dict[int, Stats] = {}
 
-    def hello(self) -> bytes:
+    def hello(self, port: int = 0) -> bytes:
         e = self.engine
         info = e.model.info
-        return encode([Hello(info.name, info.vocab_size, e.max_model_len, e.pool.num_pages)])
+        return encode([Hello(info.name, info.vocab_size, e.max_model_len, e.pool.num_pages,
+                             port, self.num_ports)])
 
-    def receive_data(self, data: bytes) -> None:
-        for message in self._decoder.feed(data):
+    def receive_data(self, data: bytes, port: int = 0) -> None:
+        for message in self._decoders[port].feed(data):
             kind = type(message)
             if kind is Credit:
                 left = self._credits.get(message.uid)
@@ -73,70 +85,98 @@ class WorkerCore:
                         self.engine.set_ready(message.uid, True)
                     self._credits[message.uid] = left + message.n
             elif kind is Add:
-                self._add(message)
+                self._add(message, port)
             elif kind is Abort:
-                self.engine.abort(message.uid)
-                self._credits.pop(message.uid, None)
+                self._end(message.uid)
 
-    def _add(self, message: Add) -> None:
+    def _add(self, message: Add, port: int) -> None:
         try:
             self.engine.add_request(message.uid, message.prompt_ids, message.params)
         except ValueError as exc:  # the front end validates first; this is a safety net
-            self._failed.append(Failed(message.uid, f"the request was refused: {exc}"))
+            self._failed.setdefault(port, []).append(
+                Failed(message.uid, f"the request was refused: {exc}"))
             return
         self._credits[message.uid] = message.credits
+        self._port_of[message.uid] = port
+
+    def _end(self, uid: Uid) -> None:
+        self.engine.abort(uid)
+        self._credits.pop(uid, None)
+        self._port_of.pop(uid, None)
+
+    def drop_port(self, port: int) -> None:
+        """The front end on ``port`` is gone: end its sequences, forget its state."""
+        for uid in [u for u, p in self._port_of.items() if p == port]:
+            self._end(uid)
+        self._decoders[port] = FrameDecoder(ToWorker)
+        self._failed.pop(port, None)
+        self._sent_stats.pop(port, None)
 
     def schedule(self) -> StepPlan | None:
         return self.engine.schedule()
 
     def run_step(self, plan: StepPlan) -> bytes:
-        """Execute ``plan`` and commit it: the step's frame. A step that raises fails only the
-        sequences it carried (their KV is suspect); the worker goes on."""
+        """Execute ``plan`` and commit it: the step's frame (one port)."""
+        return self.step_frames(plan).get(0, b"")
+
+    def step_frames(self, plan: StepPlan) -> dict[int, bytes]:
+        """Execute ``plan`` and commit it: a frame for every port. A step that raises fails only
+        the sequences it carried (their KV is suspect); the worker goes on."""
         try:
             result = self.engine.execute(plan)
         except Exception as exc:
             log.exception("an engine step failed; failing the requests it carried")
-            return self.fail_step(plan, exc)
+            for uid in self.engine.fail(plan):
+                port = self._port_of.pop(uid, 0)
+                self._credits.pop(uid, None)
+                self._failed.setdefault(port, []).append(
+                    Failed(uid, f"the engine failed while generating: {exc}"))
+            return self._frames({})
         return self.commit(plan, result)
 
-    def commit(self, plan: StepPlan, result: object) -> bytes:
-        credits = self._credits
-        outputs = []
+    def commit(self, plan: StepPlan, result: object) -> dict[int, bytes]:
+        credits, port_of = self._credits, self._port_of
+        outputs: dict[int, list[Output]] = {}
         for out in self.engine.commit(plan, result):  # type: ignore[arg-type]
             if out.finish_reason is None:
                 left = credits[out.uid] - 1
                 credits[out.uid] = left
                 if left == 0:
                     self.engine.set_ready(out.uid, False)  # wait for the reader
+                port = port_of[out.uid]
             else:
                 del credits[out.uid]
-            outputs.append(
+                port = port_of.pop(out.uid)
+            outputs.setdefault(port, []).append(
                 Output(out.uid, out.token_ids, out.logprobs, out.finish_reason,
                        out.stop_token_id, out.num_prompt_tokens, out.num_output_tokens,
                        out.prompt_logprobs)
             )
-        return self._frame(outputs)
-
-    def fail_step(self, plan: StepPlan, exc: BaseException) -> bytes:
-        for uid in self.engine.fail(plan):
-            self._credits.pop(uid, None)
-            self._failed.append(Failed(uid, f"the engine failed while generating: {exc}"))
-        return self._frame([])
+        return self._frames(outputs)
 
     def idle_frame(self) -> bytes:
-        """What the front end has not heard yet while no step runs (refusals, the gauges after
-        an abort freed pages), or b""."""
-        if self._failed or self._stats() != self._sent_stats:
-            return self._frame([])
-        return b""
+        return self.idle_frames().get(0, b"")
+
+    def idle_frames(self) -> dict[int, bytes]:
+        """What the front ends have not heard yet while no step runs (refusals, the gauges after
+        an abort freed pages)."""
+        stats = self._stats()
+        frames = {}
+        for port in self._decoders:
+            if self._failed.get(port) or self._sent_stats.get(port) != stats:
+                frames[port] = self._frame(port, [], stats)
+        return frames
 
     def _stats(self) -> Stats:
         return Stats(**dataclasses.asdict(self.engine.statistics()))
 
-    def _frame(self, outputs: list[Output]) -> bytes:
+    def _frames(self, outputs: dict[int, list[Output]]) -> dict[int, bytes]:
         stats = self._stats()
-        failed, self._failed = self._failed, []
-        self._sent_stats = stats
+        return {port: self._frame(port, outputs.get(port, []), stats) for port in self._decoders}
+
+    def _frame(self, port: int, outputs: list[Output], stats: Stats) -> bytes:
+        failed = self._failed.pop(port, [])
+        self._sent_stats[port] = stats
         return encode([Step(outputs, failed, stats)])
 
     @property
@@ -149,7 +189,7 @@ class WorkerCore:
 _CHUNK = 1 << 20
 
 
-def _drain(sock: socket.socket, core: WorkerCore, block: bool) -> bool:
+def _drain(sock: socket.socket, core: WorkerCore, block: bool, port: int = 0) -> bool:
     """Apply what the front end sent (waiting for something first if ``block``). False on EOF."""
     flags = 0 if block else socket.MSG_DONTWAIT
     while True:
@@ -159,12 +199,12 @@ def _drain(sock: socket.socket, core: WorkerCore, block: bool) -> bool:
             return True
         if not data:
             return False
-        core.receive_data(data)
+        core.receive_data(data, port)
         flags = socket.MSG_DONTWAIT
 
 
 def serve(sock: socket.socket, core: WorkerCore) -> None:
-    """The worker's loop; returns when the front end closes the pipe."""
+    """The worker's loop for one front end; returns when it closes the pipe."""
     sock.sendall(core.hello())
     while True:
         plan = core.schedule()
@@ -180,6 +220,63 @@ def serve(sock: socket.socket, core: WorkerCore) -> None:
             return
 
 
+def serve_shared(control: socket.socket, listener: socket.socket, core: WorkerCore) -> None:
+    """The worker's loop for up to ``core.num_ports`` front ends that connect to ``listener``
+    (``serve --api-workers N``). A front end that leaves loses its sequences; the worker goes on.
+    Returns when ``control`` (the supervisor's pipe) closes."""
+    selector = selectors.DefaultSelector()
+    selector.register(control, selectors.EVENT_READ, "control")
+    selector.register(listener, selectors.EVENT_READ, "listen")
+    ports: dict[int, socket.socket] = {}
+
+    def drop(port: int) -> None:
+        conn = ports.pop(port)
+        selector.unregister(conn)
+        conn.close()
+        core.drop_port(port)
+        log.info("front end on port %d left", port)
+
+    def send(frames: dict[int, bytes]) -> None:
+        for port, frame in frames.items():
+            conn = ports.get(port)
+            if conn is not None:
+                try:
+                    conn.sendall(frame)
+                except OSError:
+                    drop(port)
+
+    while True:
+        plan = core.schedule()
+        if plan is None:
+            send(core.idle_frames())
+            events = selector.select(None)
+        else:
+            send(core.step_frames(plan))
+            events = selector.select(0)
+        for key, _ in events:
+            if key.data == "control":
+                if not control.recv(_CHUNK):
+                    return
+            elif key.data == "listen":
+                conn, _ = listener.accept()
+                free = [p for p in range(core.num_ports) if p not in ports]
+                if not free:
+                    log.error("a front end connected beyond the %d ports; refused", core.num_ports)
+                    conn.close()
+                    continue
+                ports[free[0]] = conn
+                selector.register(conn, selectors.EVENT_READ, free[0])
+                conn.sendall(core.hello(free[0]))
+                log.info("front end connected on port %d", free[0])
+            elif key.data in ports:
+                conn = ports[key.data]
+                try:
+                    if not _drain(conn, core, block=False, port=key.data):
+                        drop(key.data)
+                except OSError:
+                    drop(key.data)
+
+
 def _read_settings(sock: socket.socket):  # type: ignore[no-untyped-def]
     from trio_infer.settings import Settings
 
@@ -193,7 +290,11 @@ def _read_settings(sock: socket.socket):  # type: ignore[no-untyped-def]
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trio_infer.runtime.worker")
-    parser.add_argument("--fd", type=int, required=True, help="this end of the socket pair")
+    parser.add_argument("--fd", type=int, required=True,
+                        help="the front end's end of a socket pair; with --listen: the supervisor's")
+    parser.add_argument("--listen", default=None, metavar="PATH",
+                        help="serve the front ends that connect to this Unix socket (shared worker)")
+    parser.add_argument("--ports", type=int, default=1, help="with --listen: how many front ends")
     args = parser.parse_args(argv)
     # The front end owns shutdown: it drains, then closes the pipe, which ends this process.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -213,7 +314,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         sock.sendall(encode([Fatal(f"could not load the model: {exc}")]))
         return 1
     try:
-        serve(sock, WorkerCore(engine))
+        if args.listen is None:
+            serve(sock, WorkerCore(engine))
+        else:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            if os.path.exists(args.listen):
+                os.unlink(args.listen)  # a previous worker's
+            listener.bind(args.listen)
+            listener.listen(args.ports)
+            serve_shared(sock, listener, WorkerCore(engine, num_ports=args.ports))
     except (BrokenPipeError, ConnectionResetError):
         pass  # the front end is gone
     return 0

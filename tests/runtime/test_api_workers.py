@@ -1,0 +1,77 @@
+"""``serve --api-workers 2``: two front ends on one listening socket, one shared batching worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from .test_worker_process import alive, children, free_port, health, wait_for
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+def _start(tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trio_infer", "serve", "--model", "fake", "--api-workers", "2",
+         "--port", str(port), "--cache-dir", str(tmp_path), "--worker-restart-delay-s", "0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+    )
+    wait_for(lambda: health(url) == 200 or proc.poll() is not None, 120, "the server")
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    return proc, url
+
+
+def _processes(supervisor: int) -> tuple[int, list[int]]:
+    kids = children(supervisor)
+    workers = [p for p in kids if "trio_infer.runtime.worker" in _cmdline(p)]
+    assert len(kids) == 3 and len(workers) == 1, [_cmdline(p) for p in kids]
+    return workers[0], sorted(kids - set(workers))
+
+
+def test_two_front_ends_share_one_worker_and_survive_its_death(tmp_path: Path) -> None:
+    proc, url = _start(tmp_path)
+    try:
+        worker, front_ends = _processes(proc.pid)
+        body = {"model": "fake", "prompt": "hello", "max_tokens": 5, "ignore_eos": True}
+        # Wait until both front ends have their pipe to the worker, then spread connections.
+        for _ in range(40):
+            r = httpx.post(url + "/v1/completions", json=body, timeout=30)  # a new connection each
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: health(url) == 503, 5, "503 while the worker is gone")
+        wait_for(lambda: all(health(url) == 200 for _ in range(6)), 60, "both front ends back")
+        restarted, same_front_ends = _processes(proc.pid)
+        assert restarted != worker and same_front_ends == front_ends and not alive(worker)
+        for _ in range(10):
+            assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole group
+        output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output[-3000:]
+    assert "front end connected on port 0" in output and "front end connected on port 1" in output
+    assert "restarting the batching worker (1 of at most" in output
+    for pid in [restarted, *front_ends]:
+        assert not alive(pid), f"{_cmdline(pid)} outlived its supervisor"
+
+
+def test_sigterm_to_the_supervisor_stops_everything(tmp_path: Path) -> None:
+    proc, url = _start(tmp_path)
+    worker, front_ends = _processes(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    for pid in [worker, *front_ends]:
+        wait_for(lambda: not alive(pid), 10, f"{pid} to exit")
