@@ -77,6 +77,7 @@ def create_app(settings: Settings | None = None, *, loaded: "tuple[Engine, Any] 
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
             max_n=settings.max_n,
+            max_batch_sequences=settings.max_waiting,
         )
         log.info("serving %s (context %d tokens)", state.limits.name, state.limits.max_model_len)
 

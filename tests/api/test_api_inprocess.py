@@ -263,13 +263,11 @@ async def test_unknown_and_unsupported_fields_are_named(app) -> None:
     assert r.status_code == 400 and (await r.get_json())["error"]["param"] == "suffix"
 
 
-async def test_n_above_the_limit_and_batched_prompts_are_refused(app) -> None:
+async def test_n_above_the_limit_is_refused_and_a_one_prompt_list_is_one_prompt(app) -> None:
     r = await app.client.post("/v1/completions", json={"model": "fake", "prompt": "a", "n": 9})
     assert r.status_code == 400 and (await r.get_json())["error"]["param"] == "n"
-    r = await app.client.post("/v1/completions", json={"model": "fake", "prompt": ["a", "b"]})
-    assert r.status_code == 400 and "Batched" in (await r.get_json())["error"]["message"]
     r = await app.client.post("/v1/completions", json={"model": "fake", "prompt": ["a"], "max_tokens": 1})
-    assert r.status_code == 200
+    assert r.status_code == 200 and len((await r.get_json())["choices"]) == 1
 
 
 async def test_queue_full_is_503_with_retry_after(tokenizer) -> None:

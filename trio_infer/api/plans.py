@@ -2,7 +2,9 @@
 
 Every check a client can fail happens here, once, before anything is scheduled or any byte of a
 stream is sent (gap G4): the model name, ``n``, the context length, token ids, the sampling
-parameters. Nothing here talks to the engine or awaits anything.
+parameters. A completions batch (several prompts) is checked prompt by prompt, all of them before
+anything runs: one bad prompt refuses the whole request, naming it. Nothing here talks to the
+engine or awaits anything.
 """
 
 from __future__ import annotations
@@ -25,27 +27,45 @@ class ModelLimits:
     max_model_len: int
     vocab_size: int
     max_n: int
+    # Most sequences (prompts x n) one completions batch may hold: more would never be admitted
+    # (the waiting queue holds this many). None: no limit.
+    max_batch_sequences: int | None = None
 
 
 @dataclass
 class Plan:
-    """A validated request, ready for ``engine.generate(plan.prompt_ids, plan.params)``."""
+    """A validated request, ready for ``open_batch_text_stream(engine, tokenizer, plan.prompts,
+    plan.params, plan.stop)``: each prompt gets ``n`` choices, and choice ``j * n + i`` is choice
+    i of prompt j (a chat request, and most completions, have one prompt)."""
 
     kind: Literal["chat", "completion"]
     id: str
     created: int
     model: str
-    prompt_ids: list[int]
-    params: list[SamplingParams]
+    prompts: list[list[int]]
+    params: list[SamplingParams]  # the n choices of each prompt
     stop: list[str]
     logprobs: int | None  # None: no logprobs; k: the chosen token and k alternatives
     stream: bool
     include_usage: bool
-    echo_text: str | None = None  # completions with echo: the prompt, prepended to each choice
+    # Completions with echo: each prompt as text, prepended to its choices' text. With logprobs
+    # too, each choice's logprobs start with its prompt's (the first one null).
+    echo: list[str] | None = None
 
     @property
     def n(self) -> int:
         return len(self.params)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * len(self.params)
+
+    def prompt_of(self, index: int) -> int:
+        """The prompt choice ``index`` continues."""
+        return index // len(self.params)
+
+    def echo_of(self, index: int) -> str:
+        return self.echo[index // len(self.params)] if self.echo is not None else ""
 
 
 # -- request -> plan ------------------------------------------------------------------------------
@@ -83,39 +103,52 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], add_generation_
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def completion_prompt_ids(tokenizer: Any, prompt: Any, vocab_size: int) -> tuple[list[int], str | None]:
-    """The completions ``prompt`` -> (ids, the prompt as text when it was given as text)."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(
-                400,
-                f"Batched prompts are not supported: send one prompt per request (got {len(prompt)}).",
-                param="prompt",
-            )
-        prompt = prompt[0]
+def split_prompts(prompt: Any) -> list[Any]:
+    """The completions ``prompt`` as a list of prompts, each a string or a list of token ids: a
+    string or a list of ids is one prompt; a list of strings or of id lists is a batch."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "The prompt is empty: it must have at least one token.", param="prompt")
+    if isinstance(prompt[0], (str, list)):
+        return list(prompt)
+    return [prompt]
+
+
+def completion_prompt_ids(
+    tokenizer: Any, prompt: str | list[int], vocab_size: int, param: str = "prompt", where: str = ""
+) -> tuple[list[int], str | None]:
+    """One completions prompt -> (ids, the prompt as text when it was given as text)."""
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt, add_special_tokens=True)), prompt
-    check_token_ids(prompt, vocab_size, "prompt")
+    check_token_ids(prompt, vocab_size, param, where)
     return list(prompt), None
 
 
-def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str, where: str = "") -> None:
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
+        place = f" in {where}" if where else ""
         raise APIError(
-            400, f"Token id {bad[0]} is out of range: ids must be in [0, {vocab_size}).", param=param
+            400, f"Token id {bad[0]}{place} is out of range: ids must be in [0, {vocab_size}).",
+            param=param,
         )
 
 
-def check_context(num_prompt: int, max_tokens: int | None, limits: ModelLimits, param: str) -> None:
-    """G4: a request that cannot fit is refused before anything is scheduled."""
+def check_context(
+    num_prompt: int, max_tokens: int | None, limits: ModelLimits, param: str, which: str = "your prompt"
+) -> None:
+    """G4: a request that cannot fit is refused before anything is scheduled. ``which`` names
+    the prompt in the message (a batch has several)."""
     if num_prompt == 0:
-        raise APIError(400, "The prompt is empty: it must have at least one token.", param=param)
+        raise APIError(
+            400, f"{which[0].upper()}{which[1:]} is empty: it must have at least one token.", param=param
+        )
     limit = limits.max_model_len
     if num_prompt >= limit:
         raise APIError(
             400,
-            f"This model's maximum context length is {limit} tokens. However, your prompt has "
+            f"This model's maximum context length is {limit} tokens. However, {which} has "
             f"{num_prompt} tokens, which leaves no room for a completion. Please reduce the "
             f"length of the prompt.",
             param=param,
@@ -125,7 +158,7 @@ def check_context(num_prompt: int, max_tokens: int | None, limits: ModelLimits, 
         raise APIError(
             400,
             f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
+            f"{num_prompt + max_tokens} tokens ({num_prompt} in {which}, {max_tokens} for the "
             f"completion). Please reduce the length of the prompt or the completion.",
             param="max_tokens",
             code="context_length_exceeded",
@@ -138,6 +171,7 @@ def _sampling(
     max_tokens: int | None,
     logprobs: int | None,
     limits: ModelLimits,
+    prompt_logprobs: int | None = None,
 ) -> list[SamplingParams]:
     stop_token_ids = tuple(req.stop_token_ids or ())
     check_token_ids(stop_token_ids, limits.vocab_size, "stop_token_ids")
@@ -155,9 +189,11 @@ def _sampling(
         stop_token_ids=stop_token_ids,
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     # Choice i of a seeded request uses seed + i: the choices differ, and the whole request
-    # replays exactly with the same seed.
+    # replays exactly with the same seed. (In a batch, choice i of every prompt: a prompt gives
+    # the same choices in a batch as alone.)
     seeds = [None if req.seed is None else (req.seed + i) % 2**64 for i in range(n)]
     try:
         return [SamplingParams(seed=s, **common) for s in seeds]
@@ -194,7 +230,7 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits) -
         id=f"chatcmpl-{uuid.uuid4().hex}",
         created=int(time.time()),
         model=limits.name,
-        prompt_ids=prompt_ids,
+        prompts=[prompt_ids],
         params=_sampling(req, n, max_tokens, logprobs, limits),
         stop=req.stop_list(),
         logprobs=logprobs,
@@ -209,30 +245,39 @@ def plan_completion(req: CompletionRequest, tokenizer: Any, limits: ModelLimits)
         raise APIError(
             400, "'best_of' different from 'n' is not supported by this server.", param="best_of"
         )
-    if req.echo and req.logprobs is not None:
+    raw = split_prompts(req.prompt)
+    batch = len(raw) > 1
+    cap = limits.max_batch_sequences
+    if batch and cap is not None and len(raw) * n > cap:
         raise APIError(
             400,
-            "'echo' together with 'logprobs' is not supported: this server does not compute "
-            "prompt logprobs.",
-            param="echo",
+            f"This batch holds {len(raw)} prompts x n={n} = {len(raw) * n} sequences; this server "
+            f"queues at most {cap} at a time. Split it into smaller requests.",
+            param="prompt",
         )
-    if isinstance(req.prompt, list) and not req.prompt:
-        raise APIError(400, "The prompt is empty: it must have at least one token.", param="prompt")
-    prompt_ids, prompt_text = completion_prompt_ids(tokenizer, req.prompt, limits.vocab_size)
-    check_context(len(prompt_ids), req.max_tokens, limits, "prompt")
-    echo_text = None
+    prompts: list[list[int]] = []
+    texts: list[str | None] = []
+    for j, one in enumerate(raw):
+        param, which = (f"prompt.{j}", f"prompt {j} of the batch") if batch else ("prompt", "your prompt")
+        ids, text = completion_prompt_ids(tokenizer, one, limits.vocab_size, param, which if batch else "")
+        check_context(len(ids), req.max_tokens, limits, param, which)
+        prompts.append(ids)
+        texts.append(text)
+    echo = None
     if req.echo:
-        echo_text = prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)
+        echo = [t if t is not None else tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
+    # With echo, logprobs cover the prompt too: computed from the prefill (the first one null).
+    prompt_logprobs = req.logprobs if req.echo else None
     return Plan(
         kind="completion",
         id=f"cmpl-{uuid.uuid4().hex}",
         created=int(time.time()),
         model=limits.name,
-        prompt_ids=prompt_ids,
-        params=_sampling(req, n, req.max_tokens, req.logprobs, limits),
+        prompts=prompts,
+        params=_sampling(req, n, req.max_tokens, req.logprobs, limits, prompt_logprobs),
         stop=req.stop_list(),
         logprobs=req.logprobs,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        echo_text=echo_text,
+        echo=echo,
     )

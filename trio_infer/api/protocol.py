@@ -125,9 +125,11 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    # A string or token ids. A list holding one of those is the same prompt; longer lists
-    # (batches) are rejected in plans.py with a clear message.
+    # A string or token ids, or a batch of them (a list of strings or of token-id lists): each
+    # prompt gets n choices (plans.py).
     prompt: str | list[int] | list[str] | list[list[int]]
+    # 0 generates nothing: with echo, the prompt alone (and its logprobs, if asked).
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     echo: bool | None = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None

@@ -78,7 +78,7 @@ def _lp(x: float) -> float:
 
 
 def usage(plan: Plan, choices: Sequence[ChoiceText]) -> dict[str, int]:
-    prompt = len(plan.prompt_ids)
+    prompt = sum(len(p) for p in plan.prompts)  # once per prompt, whatever n
     completion = sum(c.num_tokens for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -98,10 +98,29 @@ def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenText) -> dict[str
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprob], texts: TokenText, offset: int
+    entries: Sequence[TokenLogprob],
+    texts: TokenText,
+    offset: int,
+    prompt: tuple[list[int], Sequence[TokenLogprob | None]] | None = None,
 ) -> dict[str, Any]:
-    """The legacy completions format; ``offset`` is where the first token's text starts."""
-    tokens, token_lps, tops, offsets = [], [], [], []
+    """The legacy completions format; ``offset`` is where the first token's text starts.
+
+    ``prompt`` (echo with logprobs): the prompt's ids and logprobs, listed first with offsets
+    from 0; the first token has none (``null`` logprob and top logprobs, as OpenAI has it).
+    """
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    if prompt is not None:
+        at = 0
+        for token_id, e in zip(*prompt):
+            text, _ = texts(token_id)
+            tokens.append(text)
+            token_lps.append(None if e is None else _lp(e.logprob))
+            tops.append(None if e is None else {texts(t)[0]: _lp(lp) for t, lp in e.top})
+            offsets.append(at)
+            at += len(text)
     for e in entries:
         text, _ = texts(e.token_id)
         tokens.append(text)
@@ -132,25 +151,25 @@ def chat_response(plan: Plan, choices: Sequence[ChoiceText], texts: TokenText) -
     }
 
 
+def _echo_logprobs(plan: Plan, index: int, prompt_lps: Sequence[TokenLogprob | None] | None):  # type: ignore[no-untyped-def]
+    """The prompt part of choice ``index``'s logprobs (echo with logprobs), or None."""
+    if plan.echo is None or prompt_lps is None:
+        return None
+    return plan.prompts[plan.prompt_of(index)], prompt_lps
+
+
 def completion_response(plan: Plan, choices: Sequence[ChoiceText], texts: TokenText) -> dict[str, Any]:
-    echo = plan.echo_text or ""
-    return {
-        **_head(plan, "text_completion"),
-        "choices": [
-            {
-                "index": c.index,
-                "text": echo + c.text,
-                "logprobs": (
-                    completion_logprobs(c.logprobs, texts, len(echo))
-                    if plan.logprobs is not None
-                    else None
-                ),
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ],
-        "usage": usage(plan, choices),
-    }
+    out = []
+    for c in choices:
+        echo = plan.echo_of(c.index)
+        lp = None
+        if plan.logprobs is not None:
+            lp = completion_logprobs(
+                c.logprobs, texts, len(echo), _echo_logprobs(plan, c.index, c.prompt_logprobs)
+            )
+        out.append({"index": c.index, "text": echo + c.text, "logprobs": lp,
+                    "finish_reason": c.finish_reason})
+    return {**_head(plan, "text_completion"), "choices": out, "usage": usage(plan, choices)}
 
 
 class ChunkWriter:
@@ -171,23 +190,26 @@ class ChunkWriter:
         self._head = _head(plan, obj)
         if plan.include_usage:
             self._head["usage"] = None  # OpenAI: null on every chunk but the usage one
-        self._offsets = [len(plan.echo_text or "")] * plan.n  # completions text_offset
+        # completions text_offset of each choice's next token
+        self._offsets = [len(plan.echo_of(i)) for i in range(plan.num_choices)]
         # 'data: {"id":...,"model":...,"choices":[{"index":' : everything before the index.
         head = sse.dumps(self._head)
         self._prefix = 'data: ' + head[:-1] + ',"choices":[{"index":'
         self._want_lp = plan.logprobs is not None
 
     def first(self) -> list[str]:
-        """Chat: the role chunk of each choice. Completions: the echoed prompt, if any."""
+        """Chat: the role chunk of each choice. Completions: the echoed prompt, if any (with
+        logprobs the echo waits for the prompt's logprobs, and goes out with the first delta)."""
         if self._chat:
             return [
                 sse.event(self._chunk(i, {"delta": {"role": "assistant", "content": ""}, "logprobs": None}))
                 for i in range(self.plan.n)
             ]
-        if self.plan.echo_text:
+        if self.plan.echo is not None and not self._want_lp:
             return [
-                sse.event(self._chunk(i, {"text": self.plan.echo_text, "logprobs": None}))
-                for i in range(self.plan.n)
+                sse.event(self._chunk(i, {"text": self.plan.echo_of(i), "logprobs": None}))
+                for i in range(self.plan.num_choices)
+                if self.plan.echo_of(i)
             ]
         return []
 
@@ -197,7 +219,7 @@ class ChunkWriter:
         text = delta.text
         finish = delta.finish_reason
         if self._want_lp:
-            if not text and finish is None and not delta.logprobs:
+            if not text and finish is None and not delta.logprobs and delta.prompt_logprobs is None:
                 return None  # nothing to say yet (text held back)
             return sse.event(self._delta_object(index, delta))
         if not text and finish is None:
@@ -220,10 +242,16 @@ class ChunkWriter:
             }
         else:
             lp = None
+            text = delta.text
             if want_lp:
-                lp = completion_logprobs(delta.logprobs, self.texts, self._offsets[index])
-                self._offsets[index] += sum(len(t) for t in lp["tokens"])
-            body = {"text": delta.text, "logprobs": lp}
+                prompt = _echo_logprobs(self.plan, index, delta.prompt_logprobs)
+                lp = completion_logprobs(delta.logprobs, self.texts, self._offsets[index], prompt)
+                if prompt is not None:  # the echo goes out with its logprobs, before the text
+                    text = self.plan.echo_of(index) + text
+                    self._offsets[index] += sum(len(t) for t in lp["tokens"][len(prompt[0]) :])
+                else:
+                    self._offsets[index] += sum(len(t) for t in lp["tokens"])
+            body = {"text": text, "logprobs": lp}
         return self._chunk(index, body, delta.finish_reason)
 
     def usage_chunk(self, choices: Sequence[ChoiceText]) -> dict[str, Any]:

@@ -3,9 +3,12 @@ comes from its :class:`~trio_infer.runtime.text_stream.TextStream`.
 
 Where a request's state lives and when it dies:
 
-* non-streaming: ``async with open_text_stream(...)`` inside the handler. A client disconnect
-  cancels the handler (quart-trio cancels the request's nursery), which leaves the block, which
-  aborts the request in the engine (G2).
+* non-streaming: ``async with open_batch_text_stream(...)`` inside the handler. A client
+  disconnect cancels the handler (quart-trio cancels the request's nursery), which leaves the
+  block, which aborts the request in the engine (G2).
+* a completions batch (several prompts) is one session whose sequences are every choice of every
+  prompt, read by the handler's own task: leaving the block ends all of them at once, exactly as
+  for one prompt.
 * streaming: the handler checks admission before the response starts (503 is still a status),
   and the body generator enters the session: leaving the generator for any reason (end,
   disconnect, cancellation) leaves the block. A client gone before the body started never
@@ -45,7 +48,7 @@ from trio_infer.api.plans import (
 from trio_infer.api.render import ChunkWriter, chat_response, completion_response
 from trio_infer.api.state import ServerState, server_state
 from trio_infer.runtime.errors import EngineError
-from trio_infer.runtime.text_stream import open_text_stream
+from trio_infer.runtime.text_stream import open_batch_text_stream
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +183,8 @@ async def _serve(state: ServerState, plan: Plan) -> Response:
 
 
 async def _complete(state: ServerState, plan: Plan) -> Response:
-    async with open_text_stream(
-        state.engine, state.tokenizer, plan.prompt_ids, plan.params, plan.stop
+    async with open_batch_text_stream(
+        state.engine, state.tokenizer, plan.prompts, plan.params, plan.stop
     ) as text:
         async for _ in text:
             pass
@@ -193,7 +196,7 @@ async def _stream(state: ServerState, plan: Plan) -> Response:
     # Admission before the response starts: a full queue or a draining server is still a real
     # HTTP status (503), not an error event. The session itself is entered in the body, so a
     # client that leaves before the body starts leaves nothing behind.
-    state.engine.check_admission(plan.n)
+    state.engine.check_admission(plan.num_choices)
     engine, tokenizer, interval = state.engine, state.tokenizer, state.settings.stream_interval
     writer = ChunkWriter(plan, state.texts)
 
@@ -203,8 +206,8 @@ async def _stream(state: ServerState, plan: Plan) -> Response:
             first = "".join(writer.first())
             if first:
                 yield first
-            async with open_text_stream(
-                engine, tokenizer, plan.prompt_ids, plan.params, plan.stop, interval
+            async with open_batch_text_stream(
+                engine, tokenizer, plan.prompts, plan.params, plan.stop, interval
             ) as text:
                 async for deltas in text:
                     # One write per read of the stream, whatever it held (trio-stack §6).

@@ -163,24 +163,35 @@ class AsyncEngine:
         if self._num_waiting + n > self.settings.max_waiting:
             raise EngineOverloaded("the waiting queue is full; retry later")
 
-    @asynccontextmanager
-    async def generate(
+    def generate(
         self, prompt_ids: list[int], params: list[SamplingParams]
-    ) -> AsyncIterator[GenerationStream]:
+    ) -> AbstractAsyncContextManager[GenerationStream]:
         """Run one request with ``len(params)`` independent choices over ``prompt_ids``."""
-        self.check_admission(len(params))
+        return self.generate_batch([prompt_ids], params)
+
+    @asynccontextmanager
+    async def generate_batch(
+        self, prompts: list[list[int]], params: list[SamplingParams]
+    ) -> AsyncIterator[GenerationStream]:
+        """Run one request over several prompts, each with ``len(params)`` choices: uid
+        ``(request_id, j * len(params) + i)`` is choice i of prompt j, its own sequence in the
+        engine. One session, one channel: leaving the block ends every one of them."""
+        n = len(params)
+        self.check_admission(len(prompts) * n)
         request_id = next(self._ids)
         credits = self.settings.channel_capacity
-        send, receive = trio.open_memory_channel[Output](credits * len(params))
-        uids = [(request_id, i) for i in range(len(params))]
+        send, receive = trio.open_memory_channel[Output](credits * len(prompts) * n)
+        uids = [(request_id, i) for i in range(len(prompts) * n)]
         session = _Session(request_id, uids, send, arrival=trio.current_time(), unfinished=set(uids))
-        for uid, p in zip(uids, params):
-            self._protocol.add(uid, prompt_ids, p, credits)
-            self._by_uid[uid] = session
+        for j, prompt_ids in enumerate(prompts):
+            for i, p in enumerate(params):
+                uid = uids[j * n + i]
+                self._protocol.add(uid, prompt_ids, p, credits)
+                self._by_uid[uid] = session
         self._sessions[request_id] = session
         self._num_waiting += len(uids)
         self.metrics.sessions_active.set(len(self._sessions))
-        self.metrics.prompt_tokens_total.inc(len(prompt_ids) * len(params))
+        self.metrics.prompt_tokens_total.inc(sum(len(p) for p in prompts) * n)
         self._send_wakeup.set()
         try:
             with receive:

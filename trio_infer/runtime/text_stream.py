@@ -9,14 +9,20 @@ and its end go out at once). Its state is a few buffers per choice and dies with
 
 ``async with open_text_stream(engine, tokenizer, prompt_ids, params, stop) as text:`` then
 ``async for deltas in text: ...``; afterwards ``text.choices`` holds each choice's whole text,
-token count and finish reason.
+token count and finish reason. :func:`open_batch_text_stream` does the same for several prompts
+in one session (choice ``j * n + i`` is choice i of prompt j); a request that generates nothing
+and asks for no prompt logprobs (``max_tokens=0``) finishes there without the engine.
+
+A choice's prompt logprobs (``SamplingParams.prompt_logprobs``) come with its first output: they
+are in the delta of that read (``ChoiceDelta.prompt_logprobs``) and stay in
+``ChoiceText.prompt_logprobs``.
 """
 
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Protocol, Sequence
 
 from trio_infer.engine.params import SamplingParams
 from trio_infer.engine.sampler import TokenLogprob
@@ -32,6 +38,7 @@ class ChoiceDelta:
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # in the choice's first delta only
 
 
 @dataclass
@@ -48,6 +55,7 @@ class ChoiceText:
     token_ids: list[int] = field(default_factory=list)
     sent_tokens: int = 0  # num_tokens when its text last went out (stream_interval)
     held: ChoiceDelta | None = None  # text waiting for stream_interval
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: entry 0 is None
 
     @property
     def finished(self) -> bool:
@@ -65,7 +73,10 @@ class ChoiceText:
         text_parts: list[str] = []
         lps: list[TokenLogprob] = []
         finish: str | None = None
+        prompt_lps = None
         for out in outputs:
+            if out.prompt_logprobs is not None:  # the first output of a choice that asked
+                prompt_lps = self.prompt_logprobs = out.prompt_logprobs
             ids = out.token_ids
             lp = out.logprobs
             self.num_tokens += len(ids)
@@ -91,14 +102,14 @@ class ChoiceText:
         self.finish_reason = finish
         self.text_parts.append(text)
         self.logprobs.extend(lps)
-        return ChoiceDelta(self.index, text, lps, finish)
+        return ChoiceDelta(self.index, text, lps, finish, prompt_lps)
 
     def pace(self, delta: ChoiceDelta, interval: int) -> ChoiceDelta | None:
         """``delta`` merged with what was held, or None while it waits for ``interval`` tokens."""
         if self.held is not None:
             h = self.held
             delta = ChoiceDelta(self.index, h.text + delta.text, h.logprobs + delta.logprobs,
-                                delta.finish_reason)
+                                delta.finish_reason, h.prompt_logprobs or delta.prompt_logprobs)
         if self.sent_tokens and not self.finished and self.num_tokens - self.sent_tokens < interval:
             self.held = delta
             return None
@@ -107,23 +118,34 @@ class ChoiceText:
         return delta
 
 
+def _choices(tokenizer: Any, prompts: Sequence[list[int]], n: int, stop: Sequence[str]) -> list[ChoiceText]:
+    return [
+        ChoiceText(j * n + i, IncrementalDetokenizer(tokenizer, prompt), StopStringMatcher(stop))
+        for j, prompt in enumerate(prompts)
+        for i in range(n)
+    ]
+
+
 class TextStream:
+    """A request's choices' text; ``prompt_ids`` is one prompt, or with ``batch=True`` a list of
+    prompts (choice ``j * n + i`` is choice i of prompt j)."""
+
     def __init__(
         self,
         stream: GenerationStream,
         tokenizer: Any,
-        prompt_ids: list[int],
+        prompt_ids: Any,
         n: int,
         stop: Sequence[str] = (),
         interval: int = 1,
+        *,
+        batch: bool = False,
     ) -> None:
         self._stream = stream
         self._interval = interval
-        self.choices = [
-            ChoiceText(i, IncrementalDetokenizer(tokenizer, prompt_ids), StopStringMatcher(stop))
-            for i in range(n)
-        ]
-        self.num_prompt_tokens = len(prompt_ids)
+        prompts: Sequence[list[int]] = prompt_ids if batch else [prompt_ids]
+        self.choices = _choices(tokenizer, prompts, n, stop)
+        self.num_prompt_tokens = sum(len(p) for p in prompts)
 
     @property
     def finished(self) -> bool:
@@ -162,7 +184,8 @@ class TextStream:
                     delta = choice.pace(delta, interval)
                     if delta is None:
                         continue
-                if delta.text or delta.logprobs or delta.finish_reason is not None:
+                if (delta.text or delta.logprobs or delta.finish_reason is not None
+                        or delta.prompt_logprobs is not None):
                     deltas.append(delta)
             if deltas:
                 return deltas
@@ -182,3 +205,57 @@ async def open_text_stream(
     :meth:`AsyncEngine.generate`)."""
     async with engine.generate(prompt_ids, params) as stream:
         yield TextStream(stream, tokenizer, prompt_ids, len(params), stop, interval)
+
+
+class ChoiceTexts(Protocol):
+    """What :func:`open_batch_text_stream` yields: ``async for deltas in text``, then
+    ``text.choices``."""
+
+    choices: list[ChoiceText]
+    num_prompt_tokens: int
+
+    def __aiter__(self) -> Any: ...
+
+
+class NothingToGenerate:
+    """The text of a request that generates no token and asks for no prompt logprobs: every
+    choice finishes with "length" at the first read; no engine, no session."""
+
+    def __init__(self, tokenizer: Any, prompts: Sequence[list[int]], n: int) -> None:
+        self.choices = _choices(tokenizer, prompts, n, ())
+        self.num_prompt_tokens = sum(len(p) for p in prompts)
+        self._done = False
+
+    def __aiter__(self) -> NothingToGenerate:
+        return self
+
+    async def __anext__(self) -> list[ChoiceDelta]:
+        if self._done:
+            raise StopAsyncIteration
+        self._done = True
+        for choice in self.choices:
+            choice.finish_reason = "length"
+        return [ChoiceDelta(c.index, "", [], "length") for c in self.choices]
+
+
+@asynccontextmanager
+async def open_batch_text_stream(
+    engine: AsyncEngine,
+    tokenizer: Any,
+    prompts: Sequence[list[int]],
+    params: list[SamplingParams],
+    stop: Sequence[str] = (),
+    interval: int = 1,
+) -> AsyncIterator[ChoiceTexts]:
+    """:func:`open_text_stream` over several prompts, each with ``len(params)`` choices, in one
+    session: each choice of each prompt is its own engine sequence, and leaving the block ends
+    them all. One prompt goes through ``engine.generate`` as :func:`open_text_stream` does."""
+    if all(p.max_tokens == 0 and p.prompt_logprobs is None for p in params):
+        yield NothingToGenerate(tokenizer, prompts, len(params))
+        return
+    if len(prompts) == 1:
+        cm = engine.generate(prompts[0], params)
+    else:
+        cm = engine.generate_batch(prompts, params)
+    async with cm as stream:
+        yield TextStream(stream, tokenizer, prompts, len(params), stop, interval, batch=True)
