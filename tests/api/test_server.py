@@ -196,6 +196,36 @@ def test_stop_strings_across_chunk_boundaries(client: openai.OpenAI, server: Ser
     assert not any(stop in c.text for c in chunks)
 
 
+def test_an_eval_harness_batch_scores_prompts_as_transformers_does(
+    client: openai.OpenAI, server: Server, tiny_checkpoint: Path
+) -> None:
+    """lm-evaluation-harness's loglikelihood request: token-id prompts in a batch, echo, logprobs
+    1, max_tokens 0 and 1, through the worker process; the prompt logprobs equal transformers'."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (40, 7, 300)]
+    for max_tokens in (0, 1):
+        r = client.completions.create(model=server.model, prompt=prompts, echo=True, logprobs=1,
+                                      max_tokens=max_tokens, temperature=0)
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        assert r.usage.prompt_tokens == sum(map(len, prompts))
+        assert r.usage.completion_tokens == 3 * max_tokens
+        for ids, c in zip(prompts, r.choices):
+            with torch.no_grad():
+                want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+            lp = c.logprobs
+            assert len(lp.token_logprobs) == len(ids) + max_tokens and c.finish_reason == "length"
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            got = torch.tensor(lp.token_logprobs[1 : len(ids)])
+            assert torch.allclose(got, want[torch.arange(len(ids) - 1), ids[1:]], atol=1e-4)
+            best = want[: len(ids) - 1].max(dim=-1).values
+            assert torch.allclose(torch.tensor([max(t.values()) for t in lp.top_logprobs[1 : len(ids)]]),
+                                  best, atol=1e-4)
+
+
 def test_logprobs_present_and_consistent(client: openai.OpenAI, server: Server) -> None:
     r = client.chat.completions.create(
         model=server.model, messages=msgs(), max_tokens=10, temperature=0, logprobs=True, top_logprobs=3
