@@ -53,7 +53,12 @@ from trio_infer.runtime.protocol import (
     Stats,
     Uid,
 )
-from trio_infer.runtime.transport import Connection, open_worker_process, open_worker_task
+from trio_infer.runtime.transport import (
+    Connection,
+    open_worker_process,
+    open_worker_socket,
+    open_worker_task,
+)
 from trio_infer.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -131,7 +136,7 @@ class AsyncEngine:
         self._by_uid: dict[Uid, _Session] = {}
         self._paused: dict[_Session, float] = {}  # out of credits since; oldest first
         self._num_waiting = 0  # sequences without a first output yet
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(1)  # request k gets id id_offset + k * id_stride
         self._send_wakeup = trio.Event()
         self._sessions_changed = trio.Event()
         self._last_step: float | None = None
@@ -178,7 +183,8 @@ class AsyncEngine:
         engine. One session, one channel: leaving the block ends every one of them."""
         n = len(params)
         self.check_admission(len(prompts) * n)
-        request_id = next(self._ids)
+        assert self.info is not None
+        request_id = self.info.id_offset + next(self._ids) * self.info.id_stride
         credits = self.settings.channel_capacity
         send, receive = trio.open_memory_channel[Output](credits * len(prompts) * n)
         uids = [(request_id, i) for i in range(len(prompts) * n)]
@@ -438,8 +444,13 @@ async def open_engine(
     ``async with open_engine(settings) as engine:`` then, per request,
     ``async with engine.generate(prompt_ids, [params]) as stream: async for outs in stream: ...``
     """
-    if engine is None:
-        connect: Connect = lambda: open_worker_process(settings)  # noqa: E731
+    if engine is None and settings.worker_address is not None:
+        # A shared worker that a supervisor runs (and restarts): connect, and reconnect.
+        address, timeout = settings.worker_address, settings.worker_connect_timeout_s
+        connect: Connect = lambda: open_worker_socket(address, timeout)  # noqa: E731
+        restart = True
+    elif engine is None:
+        connect = lambda: open_worker_process(settings)  # noqa: E731
         restart = True
     else:
         in_thread = not is_instant(engine)
