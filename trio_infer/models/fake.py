@@ -56,6 +56,7 @@ class FakeModel:
         # the model is instant and the runtime may run its steps inline.
         self.step_s = step_s
         self.instant = step_s == 0
+        self._next_tick: float | None = None
 
     def next_token(self, token_ids: list[int]) -> int:
         return expected_next_token(token_ids, self.info.vocab_size, self.eos_token_id)
@@ -63,11 +64,16 @@ class FakeModel:
     def forward(
         self, batch: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
     ) -> torch.Tensor:
-        started = time.perf_counter()
         logits = self._forward(batch, k_caches[0])
-        remaining = self.step_s - (time.perf_counter() - started)
-        if remaining > 0:
-            time.sleep(remaining)
+        if self.step_s > 0:
+            # Steps on a cadence of step_s (like a null engine's tick), not step_s on top of the
+            # engine's own work: the simulated step includes scheduling and committing, as long as
+            # they fit in it. After an idle spell the cadence starts again from now.
+            now = time.perf_counter()
+            if self._next_tick is None or now > self._next_tick + self.step_s:
+                self._next_tick = now
+            self._next_tick += self.step_s
+            time.sleep(max(0.0, self._next_tick - now))
         return logits
 
     def _forward(self, batch: ForwardBatch, k_cache: torch.Tensor) -> torch.Tensor:
