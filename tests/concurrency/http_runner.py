@@ -27,7 +27,6 @@ from trio_infer.app import create_app, drain
 from trio_infer.api.state import server_state
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import AsyncEngine
-from trio_infer.settings import Settings
 
 from .char_tokenizer import CharTokenizer
 from .invariants import check_front_idle, check_worker_idle
@@ -42,6 +41,7 @@ from .runner import (
     SpinGuard,
     as_assertion,
     build_engine,
+    scenario_settings,
     settle,
     step_budget,
     watchdog,
@@ -207,9 +207,9 @@ class _App:
         self.engine.max_steps = step_budget(sum(
             r.n * (len(r.prompt) + (r.max_tokens or shape.max_model_len)) for r in sc.requests
         ))
-        settings = Settings(channel_capacity=sc.channel_capacity,
-                            stall_timeout_s=sc.stall_timeout_s, max_waiting=sc.max_waiting,
-                            served_model_name=HTTP_MODEL)
+        settings = scenario_settings(channel_capacity=sc.channel_capacity,
+                                     stall_timeout_s=sc.stall_timeout_s,
+                                     max_waiting=sc.max_waiting, served_model_name=HTTP_MODEL)
         self.app = create_app(settings, loaded=(self.engine, CharTokenizer()))
         self.tracker = AsgiTracker(self.app.asgi_app, self.engine)
         self.app.asgi_app = self.tracker  # type: ignore[method-assign]
@@ -242,8 +242,10 @@ class _App:
             try:
                 check_front_idle(ae)
                 assert await settle(self.engine), (
-                    f"the worker did not apply the front end's last messages: its live uids "
-                    f"{self.engine.core.live_uids}, the engine holds {self.engine.num_requests}"
+                    f"once every task waited, the worker still holds uids "
+                    f"{self.engine.core.live_uids} (the engine {self.engine.num_requests} "
+                    f"requests), or the front end's statistics {ae.stats} are not the engine's "
+                    f"{self.engine.statistics()}"
                 )
                 check_worker_idle(ae, self.engine.core, self.engine)
             except AssertionError as exc:

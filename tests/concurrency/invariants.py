@@ -44,9 +44,10 @@ def check_nothing_left(report: Report) -> None:
     check_front_idle(report.actor)
     if not report.hard_stop:
         assert report.shutdown.settled and report.settled, (
-            "the worker did not apply the front end's last messages within "
-            f"{'the drain' if not report.shutdown.settled else 'the end of the run'}: "
-            f"worker's live uids {report.core.live_uids}, engine holds {report.engine.num_requests}"
+            f"{'after the drain' if not report.shutdown.settled else 'at the end'}, once every "
+            f"task waited, the worker still holds uids {report.core.live_uids} (the engine "
+            f"{report.engine.num_requests} requests), or the front end's statistics "
+            f"{report.actor.stats} are not the engine's {report.engine.statistics()}"
         )
         check_worker_idle(report.actor, report.core, report.engine)
     assert report.tasks_after == report.tasks_before, (

@@ -30,7 +30,7 @@ _COMMON = dict(
 )
 
 # max_examples is per test; scale=... in suite_settings() scales it for the smaller suites.
-settings.register_profile("concurrency-fast", max_examples=400, derandomize=True, database=None,
+settings.register_profile("concurrency-fast", max_examples=300, derandomize=True, database=None,
                           **_COMMON)
 settings.register_profile("concurrency-long", max_examples=4000, **_COMMON)
 # Replay: only the explicit examples and the database, no generation (with @reproduce_failure).

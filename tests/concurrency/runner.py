@@ -29,6 +29,7 @@ Only the public surface of the front end is read: ``num_sessions``, ``live_uids(
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 from collections import Counter
@@ -73,10 +74,6 @@ MAX_IDLE_ROUNDS = 20_000
 # loop runs one scheduling round later, after which the worker may schedule once more before it
 # drains its inbox (2). After that the abort has been applied.
 STEPS_AFTER_END = 2
-# Checkpoints the worker gets to apply what the front end sent (aborts, credits) once every client
-# is done, before the run checks that it holds nothing. Everything happens at one virtual instant;
-# it takes two or three.
-SETTLE_CHECKPOINTS = 20
 
 
 def step_budget(work: int) -> int:
@@ -462,18 +459,15 @@ async def watchdog(engine: ProbeEngine, waiting_clients: Callable[[], list[str]]
 
 
 async def settle(engine: ProbeEngine) -> bool:
-    """Give the worker a few checkpoints to apply what the front end sent and the front end to
-    take the worker's last frame; True once the worker holds nothing and the statistics the front
-    end last received are the engine's current ones (an idle worker sends them when they
-    change)."""
-    for _ in range(SETTLE_CHECKPOINTS):
-        ae, core = engine.ae, engine.core
-        if (core is not None and not core.live_uids and not engine.num_requests
-                and ae is not None and ae.stats is not None
-                and dataclasses.asdict(engine.statistics()) == msgspec.structs.asdict(ae.stats)):
-            return True
-        await trio.lowlevel.checkpoint()
-    return False
+    """Wait until every task waits (``wait_all_tasks_blocked``: the worker has applied everything
+    the front end sent and gone idle, the front end has taken every frame the worker sent; under
+    the autojump clock this returns before the clock moves), then say whether the worker holds
+    nothing and the front end's statistics are the engine's current ones."""
+    await trio.testing.wait_all_tasks_blocked()
+    ae, core = engine.ae, engine.core
+    return (core is not None and not core.live_uids and not engine.num_requests
+            and ae is not None and ae.stats is not None
+            and dataclasses.asdict(engine.statistics()) == msgspec.structs.asdict(ae.stats))
 
 
 def stats_idle(ae: AsyncEngine) -> bool:
@@ -617,6 +611,17 @@ async def _canceller(phase: Callable[[list[Uid]], str] | None, cs: trio.CancelSc
         cs.cancel()
 
 
+@functools.lru_cache(maxsize=256)
+def _settings(items: tuple) -> Settings:
+    return Settings(**dict(items))
+
+
+def scenario_settings(**kw) -> Settings:
+    """``Settings(**kw)``, built once per distinct value (pydantic-settings reads the environment
+    at every construction: a few ms, per scenario). Nothing mutates them."""
+    return _settings(tuple(sorted(kw.items())))
+
+
 def build_engine(shape, fail_steps: frozenset[int], probe: Probe, capacity: int,
                  name: str = "fake") -> ProbeEngine:
     return ProbeEngine(
@@ -638,8 +643,8 @@ async def _main(sc: Scenario, guard: SpinGuard) -> Report:
     engine.max_steps = step_budget(sum(
         len(r.prompt) + (c.max_tokens or shape.max_model_len) for r in sc.requests for c in r.choices
     ))
-    settings = Settings(channel_capacity=sc.channel_capacity, stall_timeout_s=sc.stall_timeout_s,
-                        max_waiting=sc.max_waiting)
+    settings = scenario_settings(channel_capacity=sc.channel_capacity,
+                                 stall_timeout_s=sc.stall_timeout_s, max_waiting=sc.max_waiting)
     records = [Record(req) for req in sc.requests]
     sd_rec = ShutdownRecord()
     engine_scope = trio.CancelScope()

@@ -13,6 +13,7 @@ that arrives at ``t=3, ticks=7`` arrives a few engine steps after everything due
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -142,10 +143,15 @@ def expected_output(prompt: tuple[int, ...] | list[int], choice: Choice, max_mod
 def continuation(prompt: tuple[int, ...] | list[int], n: int, vocab: int = VOCAB,
                  eos: int = EOS) -> list[int]:
     """The first ``n`` tokens the fake model writes after ``prompt`` (no stop rules)."""
+    return list(_continuation(tuple(prompt), n, vocab, eos))
+
+
+@functools.lru_cache(maxsize=4096)
+def _continuation(prompt: tuple[int, ...], n: int, vocab: int, eos: int) -> tuple[int, ...]:
     seq = list(prompt)
     for _ in range(n):
         seq.append(expected_next_token(seq, vocab, eos))
-    return seq[len(prompt):]
+    return tuple(seq[len(prompt):])
 
 
 @dataclass

@@ -4,6 +4,11 @@ Everything shrinks towards the plain case: few requests, arrival at 0, clients t
 everything, no fault, no shutdown, a roomy pool. Rare features (faults, shutdowns, a tiny waiting
 cap, prompts too long for the context) are behind :func:`sometimes`, whose selector shrinks to
 "off", so a shrunk counterexample keeps only what it needs.
+
+Drawing is a good part of the suite's time, so the per-element draws build no strategy objects
+(hypothesis caches ``st.integers(a, b)`` and friends by their arguments, but a fresh
+``sampled_from(list)``, ``.map(lambda)`` or ``flatmap`` is validated anew at every draw): a pick
+from a list is an index drawn with ``st.integers``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,16 @@ from .scenario import (
 
 T = TypeVar("T")
 
+BOOLS = st.booleans()
+NOT_BOOLS = st.booleans().map(lambda b: not b)  # shrinks to True
+MAYBE_24 = st.one_of(st.integers(1, 24), st.none())
+MAYBE_16 = st.one_of(st.integers(1, 16), st.none())
+
+
+def pick(draw: st.DrawFn, items):  # type: ignore[no-untyped-def]
+    """One of ``items`` (shrinks towards the first)."""
+    return items[draw(st.integers(0, len(items) - 1))]
+
 
 def sometimes(draw: st.DrawFn, strategy: st.SearchStrategy[T], default: T, one_in: int = 4) -> T:
     """``strategy`` about once in ``one_in`` draws, else ``default`` (what it shrinks to)."""
@@ -38,7 +53,7 @@ def sometimes(draw: st.DrawFn, strategy: st.SearchStrategy[T], default: T, one_i
 @st.composite
 def engine_shapes(draw: st.DrawFn) -> EngineShape:
     """Pools from one sequence's worth of pages to a few: small enough to force preemption."""
-    page_size = draw(st.sampled_from([4, 1, 2, 3, 8]))
+    page_size = pick(draw, (4, 1, 2, 3, 8))
     num_pages = draw(st.integers(max(2, -(-6 // page_size)), max(3, 96 // page_size)))
     max_running = draw(st.integers(1, 8))
     max_batched_tokens = max_running + draw(st.integers(0, 24))
@@ -46,12 +61,12 @@ def engine_shapes(draw: st.DrawFn) -> EngineShape:
     return EngineShape(page_size, num_pages, max_running, max_batched_tokens, prefix_cache)
 
 
-ALL_KINDS = st.sampled_from(["read_all", "slow", "leave", "stall", "cancel", "finish"])
+ALL_KINDS = ("read_all", "slow", "leave", "stall", "cancel", "finish")
 
 
 @st.composite
-def clients(draw: st.DrawFn, kinds: st.SearchStrategy[str] = ALL_KINDS) -> Client:
-    kind = draw(kinds)
+def clients(draw: st.DrawFn, kinds: tuple[str, ...] = ALL_KINDS) -> Client:
+    kind = pick(draw, kinds)
     if kind == "leave":
         return Client(kind, k=draw(st.integers(1, 6)))
     if kind == "cancel":
@@ -68,10 +83,11 @@ def clients(draw: st.DrawFn, kinds: st.SearchStrategy[str] = ALL_KINDS) -> Clien
 
 @st.composite
 def choices(draw: st.DrawFn, prompt: tuple[int, ...]) -> Choice:
-    max_tokens = draw(st.one_of(st.integers(1, 24), st.none()))
+    max_tokens = draw(MAYBE_24)
     cont = continuation(prompt, 24)  # stop tokens taken from the output are actually hit
-    stop = draw(st.lists(st.one_of(st.sampled_from(cont), st.integers(0, VOCAB - 1)), max_size=2))
-    ignore_eos = draw(st.booleans().map(lambda b: not b))  # shrinks to ignoring the EOS
+    stop = [pick(draw, cont) if draw(BOOLS) else draw(st.integers(0, VOCAB - 1))
+            for _ in range(draw(st.integers(0, 2)))]
+    ignore_eos = draw(NOT_BOOLS)  # shrinks to ignoring the EOS
     return Choice(max_tokens, tuple(dict.fromkeys(stop)), ignore_eos)
 
 
@@ -90,8 +106,8 @@ def requests(draw: st.DrawFn, shape: EngineShape, bases: list[tuple[int, ...]],
         length = draw(st.integers(1, min(limit - 1, 40)))
     # Often start with part of a prompt other requests share, so the prefix cache shares pages.
     head: tuple[int, ...] = ()
-    if bases and draw(st.booleans()):
-        base = draw(st.sampled_from(bases))
+    if bases and draw(BOOLS):
+        base = pick(draw, bases)
         head = base[: draw(st.integers(0, min(len(base), length)))]
     prompt = head + tuple(draw(tokens(length - len(head))))
     n = draw(st.integers(1, max_n))
@@ -106,7 +122,7 @@ def requests(draw: st.DrawFn, shape: EngineShape, bases: list[tuple[int, ...]],
 
 @st.composite
 def shutdowns(draw: st.DrawFn) -> Shutdown:
-    kind = draw(st.sampled_from(["drain", "cancel"]))
+    kind = pick(draw, ("drain", "cancel"))
     return Shutdown(
         kind=kind,
         at=float(draw(st.integers(0, 20))),
@@ -115,10 +131,13 @@ def shutdowns(draw: st.DrawFn) -> Shutdown:
     )
 
 
+BASES = st.lists(st.integers(1, 32).flatmap(tokens).map(tuple), max_size=3)
+
+
 @st.composite
 def scenarios(draw: st.DrawFn, max_requests: int = 24, max_n: int = 3) -> Scenario:
     shape = draw(engine_shapes())
-    bases = draw(st.lists(st.integers(1, 32).flatmap(tokens).map(tuple), max_size=3))
+    bases = draw(BASES)
     reqs = draw(st.lists(requests(shape, bases, max_n), min_size=1, max_size=max_requests))
     return Scenario(
         engine=shape,
@@ -137,31 +156,38 @@ def scenarios(draw: st.DrawFn, max_requests: int = 24, max_n: int = 3) -> Scenar
 # -- the HTTP layer ------------------------------------------------------------------------------
 
 
+RANDOM_STOP = st.text(alphabet=ALPHABET, min_size=1, max_size=3)
+
+
 @st.composite
 def http_requests(draw: st.DrawFn, shape: EngineShape) -> HttpRequest:
-    endpoint = draw(st.sampled_from(["completions", "chat"]))
+    endpoint = pick(draw, ("completions", "chat"))
     limit = shape.max_model_len
     if endpoint == "chat":
-        message = "".join(draw(st.lists(st.sampled_from(MESSAGE_CHARS), max_size=12)))
+        message = "".join(pick(draw, MESSAGE_CHARS) for _ in range(draw(st.integers(0, 12))))
         prompt = tuple(CharTokenizer().encode(CharTokenizer().apply_chat_template(
             [{"role": "user", "content": message}])))
     else:
         message = ""
         length = draw(st.integers(1, max(1, min(limit + 2, 30))))
         prompt = tuple(draw(tokens(length)))
-    max_tokens = draw(st.one_of(st.integers(1, 16), st.none()))
+    max_tokens = draw(MAYBE_16)
     # Stop strings: pieces of the text the request will produce (so they are hit, often across
     # tokens) or a few random characters.
     text = "".join(CharTokenizer.text_of(t, True) for t in continuation(prompt, 20))
-    piece = st.integers(0, max(0, len(text) - 1)).flatmap(
-        lambda i: st.integers(1, 3).map(lambda k: text[i:i + k]))
-    random_stop = st.text(alphabet=ALPHABET, min_size=1, max_size=3)
-    stop = draw(st.lists(st.one_of(piece, random_stop).filter(bool), max_size=2))
-    stream = draw(st.booleans().map(lambda b: not b))  # shrinks to streaming
-    kinds = ["read_all", "slow", "leave", "stall", "cancel"] if stream else ["read_all", "cancel"]
+    stop = []
+    for _ in range(draw(st.integers(0, 2))):
+        if draw(BOOLS):
+            i = draw(st.integers(0, max(0, len(text) - 1)))
+            stop.append(text[i:i + draw(st.integers(1, 3))])
+        else:
+            stop.append(draw(RANDOM_STOP))
+    stop = [s for s in stop if s]
+    stream = draw(NOT_BOOLS)  # shrinks to streaming
+    kinds = ("read_all", "slow", "leave", "stall", "cancel") if stream else ("read_all", "cancel")
     if stop and not known_bugs.FINISH_CHOICE_SPIN_FIXED:
-        kinds = [k for k in kinds if k not in ("slow", "stall")]  # see known_bugs.py
-    client = draw(clients(st.sampled_from(kinds)))
+        kinds = tuple(k for k in kinds if k not in ("slow", "stall"))  # see known_bugs.py
+    client = draw(clients(kinds))
     return HttpRequest(
         endpoint=endpoint,
         prompt=prompt,
@@ -169,9 +195,9 @@ def http_requests(draw: st.DrawFn, shape: EngineShape) -> HttpRequest:
         n=draw(st.integers(1, 3)),
         max_tokens=max_tokens,
         stop=tuple(dict.fromkeys(stop)),
-        ignore_eos=draw(st.booleans().map(lambda b: not b)),
+        ignore_eos=draw(NOT_BOOLS),
         stream=stream,
-        include_usage=stream and draw(st.booleans()),
+        include_usage=stream and draw(BOOLS),
         arrival=float(draw(st.integers(0, 6))),
         ticks=draw(st.integers(0, 30)),
         client=client,
