@@ -11,6 +11,7 @@ import pytest
 
 from trio_infer.bench import procstat, stats
 from trio_infer.bench.frontend import _interp
+from trio_infer.bench.offline import resolve_checkpoint, token_range
 from trio_infer.bench.workload import (
     LengthRange,
     make_text_workload,
@@ -125,3 +126,33 @@ def test_client_counts_reads_and_text_events() -> None:
         assert 1 <= len(res.chunk_times) <= 3 and len(set(res.chunk_times)) == len(res.chunk_times)
 
     trio.run(main)
+
+
+def test_token_range_skips_special_ids() -> None:
+    # SmolLM2: 17 control tokens at the start of its 49152 ids
+    assert token_range(49152, set(range(17))) == (17, 49152)
+    # Qwen: special ids after the ordinary ones, embedding rows beyond the tokenizer
+    assert token_range(151936, set(range(151643, 151669))) == (0, 151643)
+    # the synthetic shapes (and no tokenizer at all): ids 3.. as the workloads always had
+    assert token_range(1024, {0, 1, 2}) == (3, 1024)
+    assert token_range(1024, None) == (3, 1024)
+    # the longest run wins; ids at or above the vocabulary do not count
+    assert token_range(100, {0, 10, 90, 500}) == (11, 90)
+    with pytest.raises(SystemExit):
+        token_range(3, {0, 1, 2})
+
+
+def test_default_model_alias_without_the_file(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TRIO_INFER_CACHE_DIR", str(tmp_path))
+    args = argparse.Namespace(model="smollm2", shape=None, cache_dir=None)
+    with pytest.raises(SystemExit, match="make venv"):
+        resolve_checkpoint(args)
+
+
+def test_model_path_of_a_gguf_folder(tmp_path) -> None:
+    (tmp_path / "m.gguf").write_bytes(b"")
+    args = argparse.Namespace(model=str(tmp_path), shape=None, cache_dir=None)
+    assert resolve_checkpoint(args) == tmp_path / "m.gguf"
+    with pytest.raises(SystemExit, match="neither"):
+        resolve_checkpoint(argparse.Namespace(model=str(tmp_path / "nope"), shape=None,
+                                              cache_dir=None))

