@@ -219,7 +219,7 @@ def check_session(log: SessionLog, capacity: int, timeout: float, engine: ProbeE
     emissions: a session is aborted as stalled exactly ``stall_timeout_s`` after it paused (some
     uid at 0 credits) if its reader takes nothing meanwhile, and never otherwise; the outputs of
     the stalled uid that were in its channel all reach the reader first (none dropped)."""
-    who = who or f"session {log.request_id} (client #{log.owner})"
+    who = who or f"request #{log.owner}'s session {log.request_id}"
     check_reads_bounded(log, capacity, who)
     dead = first_dead_read(log)
     if dead is not None:

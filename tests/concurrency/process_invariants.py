@@ -74,12 +74,14 @@ def check_process_client(report: ProcessReport, who: str, rec: Record) -> None:
         # The front end aborts once a uid has had CAPACITY outputs untaken for STALL_S: the reader
         # took nothing for at least that long before the error, and what was left in the channel
         # (CAPACITY outputs of the stalled uid, never more of any) reached it first.
+        # The abort came before the first read that found the session gone (or the error).
         dead = first_dead_read(log)
         live_reads = log.reads if dead is None else log.reads[:dead]
         last = live_reads[-1].event if live_reads else log.entered
-        assert log.ended.time - last.time >= STALL_S, (
-            f"{who}: stalled at t={log.ended.time:.3f} but it read at t={last.time:.3f} "
-            f"(timeout {STALL_S})"
+        gone = log.reads[dead].event if dead is not None else log.ended
+        assert gone.time - last.time >= STALL_S, (
+            f"{who}: stalled by t={gone.time - log.entered.time:.3f} but it read at "
+            f"t={last.time - log.entered.time:.3f} (timeout {STALL_S}; times from its admission)"
         )
         left = Counter(out.uid for read in log.reads[len(live_reads):] for out in read.outputs)
         assert CAPACITY in left.values(), (

@@ -38,6 +38,9 @@ STALL_S = 0.3
 # A stalling client sleeps this long: far past the stall timeout, so it is stalled whatever the
 # machine's load, unless its request fits in its credits.
 STALL_DELAY_S = 6 * STALL_S
+# A reader this slow is paused (out of credits) between its reads for most of this time, less than
+# the stall timeout: it must not be stalled, but a stall at half the timeout would catch it.
+SLOW_NEAR_S = 0.6 * STALL_S
 # Real seconds a scenario may take before it counts as a deadlock.
 SCENARIO_DEADLINE_S = 30.0
 # Real seconds the worker gets to report idle statistics once every client of a scenario is done.
@@ -90,12 +93,13 @@ KINDS = ("read_all", "slow", "leave", "cancel", "finish", "read_all")
 
 
 def draw_scenarios(seed: int, count: int, vocab: int, eos: int) -> list[ProcessScenario]:
-    """``count`` scenarios of 6-7 requests: every client kind in each, a stalling client in every
-    other one (it costs :data:`STALL_DELAY_S` of wall time)."""
+    """``count`` scenarios of 6-8 requests: every client kind in each; in every other one a
+    stalling client and a reader slower than half the stall timeout (each costs a second or two of
+    wall time): it must not be stalled, a stall timed too early would catch it)."""
     rng = random.Random(seed)
     out = []
     for s in range(count):
-        kinds = list(KINDS) + (["stall"] if s % 2 else [])
+        kinds = list(KINDS) + (["stall", "slow_near"] if s % 2 else [])
         rng.shuffle(kinds)
         reqs = []
         for kind in kinds:
@@ -103,12 +107,13 @@ def draw_scenarios(seed: int, count: int, vocab: int, eos: int) -> list[ProcessS
             cont = continuation(prompt, 24, vocab, eos)
             choices = []
             # A stalling client's first choice outlasts its credits, so it is stalled.
-            for c in range(rng.randint(1, 3)):
+            for c in range(rng.randint(1, 3) if kind != "slow_near" else 1):
                 stop = tuple(rng.sample(cont[:12], rng.randint(0, 2))) if rng.random() < 0.3 else ()
-                least = CAPACITY + 2 if kind == "stall" and c == 0 else 1
+                least = CAPACITY + 2 if kind in ("stall", "slow_near") and c == 0 else 1
+                most = 3 * CAPACITY if kind == "slow_near" else 24
                 if least > 1:
                     stop = ()
-                choices.append(Choice(max_tokens=rng.randint(least, 24), stop_token_ids=stop,
+                choices.append(Choice(max_tokens=rng.randint(least, most), stop_token_ids=stop,
                                       ignore_eos=True if least > 1 else rng.random() < 0.7))
             client = {
                 "read_all": Client("read_all"),
@@ -118,6 +123,7 @@ def draw_scenarios(seed: int, count: int, vocab: int, eos: int) -> list[ProcessS
                                  delay=rng.choice([0.0, 0.002, 0.005, 0.01])),
                 "finish": Client("finish", k=rng.randint(1, 4), delay=rng.choice([0.0, 0.01])),
                 "stall": Client("stall", delay=STALL_DELAY_S),
+                "slow_near": Client("slow", delay=SLOW_NEAR_S),
             }[kind]
             reqs.append(Request(prompt, tuple(choices), arrival=rng.choice([0.0, 0.0, 0.01, 0.05]),
                                 ticks=rng.randint(0, 20), client=client))
@@ -144,8 +150,8 @@ async def _run_one(ae: AsyncEngine, sc: ProcessScenario) -> ProcessRun:
     try:
         with trio.fail_after(SCENARIO_DEADLINE_S):
             async with trio.open_nursery() as nursery:
-                for req, rec in zip(sc.requests, records):
-                    nursery.start_soon(run_client, tap, req, rec, nursery.start_soon)
+                for index, (req, rec) in enumerate(zip(sc.requests, records)):
+                    nursery.start_soon(run_client, tap, index, req, rec, nursery.start_soon)
     except trio.TooSlowError:
         waiting = [f"#{i} ({rec.request.client!r}, read {len(rec.reads)})"
                    for i, rec in enumerate(records) if rec.outcome is None]

@@ -357,7 +357,7 @@ class ProbeEngine(Engine):
                 self.stats.steps_after_end = max(self.stats.steps_after_end, self.after_end[uid])
                 if self.after_end[uid] > STEPS_AFTER_END:
                     self.violation(
-                        f"step {self.stats.steps}: {uid} is in its {self.after_end[uid]}th step "
+                        f"step {self.stats.steps}: {uid} is in step number {self.after_end[uid]} "
                         f"since the front end ended it (its abort should reach the worker within "
                         f"{STEPS_AFTER_END})"
                     )
@@ -550,10 +550,11 @@ def phase_of(engine: ProbeEngine, uids: list[Uid]) -> str:
     return f"{phase}, step in flight" if flying else phase
 
 
-async def run_client(tap: SessionTap, req: Request, rec: Record, spawn: Callable,
+async def run_client(tap: SessionTap, index: int, req: Request, rec: Record, spawn: Callable,
                      phase: Callable[[list[Uid]], str] | None = None) -> None:
-    """One client of a scenario: arrive, open a session, read as ``req.client`` says, record.
-    ``phase`` says where a request is when a canceller fires (engine suite only)."""
+    """Client #``index`` of a scenario: arrive, open a session, read as ``req.client`` says,
+    record. ``phase`` says where a request is when a canceller fires (engine suite only)."""
+    CURRENT_CLIENT.set(index)  # this task's own context: labels its session in the tap
     probe = tap.probe
     await trio.sleep(req.arrival)
     for _ in range(req.ticks):
@@ -685,9 +686,9 @@ async def _main(sc: Scenario, guard: SpinGuard) -> Report:
             root.start_soon(watchdog, engine, waiting_clients)
             ae: AsyncEngine = await root.start(serve)
             async with trio.open_nursery() as clients:
-                for req, rec in zip(sc.requests, records):
-                    clients.start_soon(run_client, engine.tap, req, rec, clients.start_soon,
-                                       lambda uids: phase_of(engine, uids))
+                for index, (req, rec) in enumerate(zip(sc.requests, records)):
+                    clients.start_soon(run_client, engine.tap, index, req, rec,
+                                       clients.start_soon, lambda uids: phase_of(engine, uids))
                 if sc.shutdown is not None:
                     clients.start_soon(shutdown, ae)
             if sd_rec.started is None:
@@ -735,9 +736,16 @@ for _name in ("trio_infer.runtime.worker", "trio_infer.runtime.client"):
     logging.getLogger(_name).addFilter(RUNTIME_ERRORS)
 
 
+def _leaves(exc: BaseException) -> list[BaseException]:
+    inner = getattr(exc, "exceptions", None)
+    return [leaf for e in inner for leaf in _leaves(e)] if inner else [exc]
+
+
 def runtime_errors() -> str:
-    """The unexpected errors the worker and the front end logged during the current run."""
-    return "; ".join(f"{type(e).__name__}: {e}" for e in RUNTIME_ERRORS.errors) or "none"
+    """The unexpected errors the worker and the front end logged during the current run (the
+    leaves of exception groups)."""
+    return "; ".join(f"{type(e).__name__}: {e}" for exc in RUNTIME_ERRORS.errors
+                     for e in _leaves(exc)) or "none"
 
 
 def run_scenario(sc: Scenario) -> Report:
