@@ -37,7 +37,7 @@ CAPACITY = 2
 STALL_S = 0.3
 # A stalling client sleeps this long: far past the stall timeout, so it is stalled whatever the
 # machine's load, unless its request fits in its credits.
-STALL_DELAY_S = 6 * STALL_S
+STALL_DELAY_S = 4 * STALL_S
 # A reader this slow is paused (out of credits) between its reads for most of this time, less than
 # the stall timeout: it must not be stalled, but a stall at half the timeout would catch it.
 SLOW_NEAR_S = 0.6 * STALL_S
@@ -76,6 +76,7 @@ class ProcessReport:
     max_model_len: int
     runs: list[ProcessRun] = field(default_factory=list)
     healthy_at_end: bool = False
+    startup_s: float = 0.0  # starting the worker process until its hello
 
 
 def fake_eos(settings: Settings) -> int:
@@ -176,9 +177,11 @@ async def _run_one(ae: AsyncEngine, sc: ProcessScenario) -> ProcessRun:
 
 
 async def _main(seed: int, count: int, settings: Settings) -> ProcessReport:
+    started = trio.current_time()
     async with open_engine(settings) as ae:
         assert ae.info is not None
-        report = ProcessReport(settings, ae.info.vocab_size, fake_eos(settings), ae.max_model_len)
+        report = ProcessReport(settings, ae.info.vocab_size, fake_eos(settings), ae.max_model_len,
+                               startup_s=trio.current_time() - started)
         for sc in draw_scenarios(seed, count, report.vocab, report.eos):
             report.runs.append(await _run_one(ae, sc))
         report.healthy_at_end = ae.healthy
