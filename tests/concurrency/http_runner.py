@@ -119,7 +119,7 @@ class HttpRecord:
     chunks: list[bytes] = field(default_factory=list)
     outcome: str | None = None  # complete | disconnected
     server_ended: bool = True  # after a disconnect: did the server's ASGI call return in time
-    outlived: list = field(default_factory=list)  # its uids still alive when the ASGI call returned
+    outlived: list = field(default_factory=list)  # what the front end held of it when its ASGI call returned
     max_gap: float = 0.0  # longest time the client went without reading
 
     @property
@@ -131,7 +131,7 @@ class HttpRecord:
 class HttpReport:
     scenario: HttpScenario
     engine: ProbeEngine
-    actor: AsyncEngine
+    front: AsyncEngine  # the front end
     tap: SessionTap
     metrics: Metrics
     records: list[HttpRecord]
@@ -277,7 +277,7 @@ async def _http_main(sc: HttpScenario, guard: SpinGuard) -> HttpReport:
     return HttpReport(
         scenario=sc,
         engine=run.engine,
-        actor=run.engine.ae,
+        front=run.engine.ae,
         tap=run.engine.tap,
         metrics=server_state(run.app).metrics,
         records=run.records,

@@ -41,15 +41,15 @@ def check_all(report: Report) -> None:
 def check_nothing_left(report: Report) -> None:
     """Invariant 1 on both sides of the protocol, and no task left behind. After a hard stop the
     worker is gone (a killed process keeps nothing either): only the front end is checked."""
-    check_front_idle(report.actor)
+    check_front_idle(report.front)
     if not report.hard_stop:
         assert report.shutdown.settled and report.settled, (
             f"{'after the drain' if not report.shutdown.settled else 'at the end'}, once every "
             f"task waited, the worker still holds uids {report.core.live_uids} (the engine "
             f"{report.engine.num_requests} requests), or the front end's statistics "
-            f"{report.actor.stats} are not the engine's {report.engine.statistics()}"
+            f"{report.front.stats} are not the engine's {report.engine.statistics()}"
         )
-        check_worker_idle(report.actor, report.core, report.engine)
+        check_worker_idle(report.front, report.core, report.engine)
     assert report.tasks_after == report.tasks_before, (
         f"{report.tasks_after - report.tasks_before} task(s) still alive after the scenario"
     )
@@ -95,7 +95,7 @@ def check_pages_idle(e: Engine) -> None:
 
 def check_ended_exactly_once(report: Report) -> None:
     registered = sum(log.n for log in report.tap.sessions.values())
-    check_engine_ends(report.engine, report.actor.metrics, registered, report.hard_stop)
+    check_engine_ends(report.engine, report.front.metrics, registered, report.hard_stop)
 
 
 def check_engine_ends(e: ProbeEngine, metrics: Metrics, registered: int,

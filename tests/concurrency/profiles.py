@@ -2,7 +2,7 @@
 
 ``fast`` (the default, what ``make test`` runs) is derandomized: every run tries the same
 examples, so a failure in CI fails again on your machine. ``long`` is random and tries thousands
-of examples; run it after touching the engine, the scheduler or the actor::
+of examples; run it after touching the engine, the scheduler, the worker or the front end::
 
     HYPOTHESIS_PROFILE=long .venv/bin/python -m pytest tests/concurrency
 

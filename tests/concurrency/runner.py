@@ -13,8 +13,9 @@ Three probes watch the run; none changes what it watches:
 * :class:`ProbeEngine`, a subclass of the real :class:`~trio_infer.engine.engine.Engine`, sees
   every call the worker makes (which uids each step carries, which end and how often, every output
   it emits and when) and raises in ``execute`` on the steps the scenario marks as faulty.
-* :class:`SessionTap` wraps ``AsyncEngine.generate`` (the public entry point: the HTTP routes
-  reach it through ``engine.generate`` too) and records, per session, every read its reader makes
+* :class:`SessionTap` wraps the front end's public session entry point (``generate_batch``,
+  which ``generate`` delegates to, where it exists, else ``generate``; the HTTP routes reach it
+  the same way) and records, per session, every read its reader makes
   (what it took, when, which of its uids the front end still tracked), every ``finish(i)`` call and
   when the session ended. The reader's takes are what return credits, so the tap knows how many
   outputs of each uid the reader has taken at every moment.
@@ -22,8 +23,8 @@ Three probes watch the run; none changes what it watches:
   instant without any engine activity (a front-end spin: under the autojump clock it would hang).
 
 Only the public surface of the front end is read: ``num_sessions``, ``live_uids()``, ``stats``,
-``metrics``, ``connection.core.live_uids`` (the worker's per-uid credit entries) and
-``connection.core.engine``.
+``metrics`` and ``connection.core.live_uids`` (the worker's per-uid credit entries); the engine
+is the :class:`ProbeEngine` the test built (``connection.core.engine``).
 """
 
 from __future__ import annotations
@@ -196,7 +197,6 @@ class SessionTap:
         self.probe = probe
         self.sessions: dict[int, SessionLog] = {}
         self.taken: Counter[Uid] = Counter()  # outputs of each uid its reader has taken
-        self.reads = 0
         self._name = "generate_batch" if hasattr(ae, "generate_batch") else "generate"
         self._inner = getattr(ae, self._name)
         setattr(ae, self._name, self._tapped)
@@ -234,14 +234,8 @@ class SessionTap:
         live = set(self.ae.live_uids())
         log.reads.append(Read(self.probe.now(), outputs,
                               frozenset(u for u in log.uids if u in live)))
-        self.reads += 1
         for out in outputs:
             self.taken[out.uid] += 1
-
-    def open_of(self, owner: int) -> list[int]:
-        """Request ids of ``owner``'s sessions that have not ended yet."""
-        return [rid for rid, log in self.sessions.items()
-                if log.owner == owner and log.exited is None]
 
 
 # -- the worker's side: what the engine did ------------------------------------------------------
@@ -318,9 +312,6 @@ class ProbeEngine(Engine):
         if seq is not None and seq.ready and not ready:
             self.stats.pauses += 1
         super().set_ready(uid, ready)
-
-    def holds(self, uid: Hashable) -> bool:
-        return uid in self._seqs
 
     def schedule(self) -> StepPlan | None:
         self.calls += 1
@@ -511,7 +502,7 @@ class ShutdownRecord:
 class Report:
     scenario: Scenario
     engine: ProbeEngine
-    actor: AsyncEngine
+    front: AsyncEngine  # the front end
     core: WorkerCore
     tap: SessionTap
     records: list[Record]
@@ -701,7 +692,7 @@ async def _main(sc: Scenario, guard: SpinGuard) -> Report:
     return Report(
         scenario=sc,
         engine=engine,
-        actor=ae,
+        front=ae,
         core=engine.core,
         tap=engine.tap,
         records=records,
