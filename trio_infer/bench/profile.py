@@ -109,12 +109,17 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
     config = model_config(path)
     first_id, end_id = token_range(config.vocab_size, special_token_ids(path))
     prompts = [[rng.randrange(first_id, end_id) for _ in range(ctx)] for _ in range(batch)]
-    workload = [BenchRequest(p, warm_steps + steps + 1) for p in prompts]
+    # A batch whose prompts take several chunked-prefill steps: the sequences that start first
+    # decode during the later chunks, so each may make up to one token per prefill step (at most
+    # ``ctx`` steps at any sane max_batched_tokens) before the timed steps begin; they must not
+    # run out of tokens (and leave the batch) before the last timed step.
+    max_tokens = warm_steps + steps + 1 + (ctx if batch > 1 else 0)
+    workload = [BenchRequest(p, max_tokens) for p in prompts]
     engine = build_engine(path, args, workload, None)
     info = engine.model.info
 
     for i, p in enumerate(prompts):
-        engine.add_request(i, p, SamplingParams(max_tokens=warm_steps + steps + 1,
+        engine.add_request(i, p, SamplingParams(max_tokens=max_tokens,
                                                 temperature=0.0, ignore_eos=True))
     # The bounds are measured before and after the timed steps and the best is kept: on a shared
     # machine a bound measured in a busy moment would flatter the achieved step.
@@ -122,9 +127,10 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
     gemm_shape = (512, config.hidden_size, 2 * config.intermediate_size, torch_dtype(args.dtype))
     bandwidth = measure_read_bandwidth(nbytes)
     gemm = measure_gemm_flops(*gemm_shape)
-    started: set[Any] = set()
-    while len(started) < batch:  # prefill (maybe chunked) until every sequence has a token
-        started.update(o.uid for o in engine.step())
+    made: dict[Any, int] = {}  # tokens made per sequence by the end of the prefill
+    while len(made) < batch:  # prefill (maybe chunked) until every sequence has a token
+        for o in engine.step():
+            made[o.uid] = made.get(o.uid, 0) + len(o.token_ids)
     for _ in range(warm_steps):
         engine.step()
     phases: dict[str, list[float]] = {"schedule": [], "execute": [], "commit": [], "step": []}
@@ -145,7 +151,7 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
     del engine
 
     foot = model_footprint(model)
-    avg_ctx = ctx + warm_steps + 1 + steps / 2
+    avg_ctx = ctx + sum(made.values()) / batch + warm_steps + steps / 2
     elem = torch.empty((), dtype=info.dtype).element_size()
     kv_bytes = batch * avg_ctx * 2 * info.num_layers * info.num_kv_heads * info.head_dim * elem
     num_heads = config.num_attention_heads
@@ -171,7 +177,8 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
         hf_step = hf_decode_step_s(path, args.dtype, prompts, steps)
 
     print(
-        f"\ndecode at batch {batch}, context {ctx}..{ctx + warm_steps + steps + 1}, {args.dtype}, "
+        f"\ndecode at batch {batch}, context {ctx}..{ctx + max(made.values()) + warm_steps + steps}"
+        f" (mean {avg_ctx:.0f}), {args.dtype}, "
         f"{threads} torch threads; model {path}"
     )
     rows = [
