@@ -18,7 +18,9 @@ then set the flag to True (the strategies stop steering around it) and drop the 
 # strings) drains its stream promptly afterwards.
 FINISH_CHOICE_SPIN_FIXED = True
 
-# NOT FIXED (runtime/client.py, AsyncEngine._receive_loop / _abort_stalled).
+# FIXED (runtime/client.py: _abort_stalled compares ``since + stall_timeout_s`` with now, the same
+# expression the receive loop's deadline is). The old description:
+# (runtime/client.py, AsyncEngine._receive_loop / _abort_stalled).
 # The receive loop wakes at ``since + stall_timeout_s``; ``_abort_stalled`` then aborts only if
 # ``since <= now - stall_timeout_s``. In floats ``(since + T) - T`` can be less than ``since``
 # (since=1.360999553995268, T=30), so at the deadline nothing is aborted, the next deadline is the
@@ -28,4 +30,4 @@ FINISH_CHOICE_SPIN_FIXED = True
 # the suite for the worker boundary, not by the property: its times are sums of halves and whole
 # seconds, which are exact. Steering: none needed (scenario times are exact binary fractions).
 # Reproduced by test_a_stall_deadline_that_does_not_round_trip_does_not_spin.
-STALL_DEADLINE_ROUNDING_FIXED = False
+STALL_DEADLINE_ROUNDING_FIXED = True

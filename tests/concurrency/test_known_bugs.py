@@ -3,7 +3,6 @@ a plain regression test once fixed)."""
 
 from __future__ import annotations
 
-import pytest
 
 from . import known_bugs
 from .invariants import check_all
@@ -21,8 +20,6 @@ def test_finishing_the_last_choice_of_a_paused_session_does_not_spin() -> None:
                                     stall_timeout_s=5.0)))
 
 
-@pytest.mark.xfail(not known_bugs.STALL_DEADLINE_ROUNDING_FIXED, strict=True,
-                   reason="known_bugs.STALL_DEADLINE_ROUNDING_FIXED", raises=AssertionError)
 def test_a_stall_deadline_that_does_not_round_trip_does_not_spin() -> None:
     # The request's first output arrives at t=1.360999553995268 and is never taken (capacity 1):
     # the session pauses then, and its stall deadline is 31.360999553995267, where

@@ -396,10 +396,10 @@ class AsyncEngine:
             self._update_gauges(delivery.stats)
 
     def _abort_stalled(self) -> None:
-        limit = trio.current_time() - self.settings.stall_timeout_s
+        now, timeout = trio.current_time(), self.settings.stall_timeout_s
         while self._paused:
             session, since = next(iter(self._paused.items()))
-            if since > limit:
+            if since + timeout > now:  # the deadline exactly as the receive loop computed it
                 return
             self._end_session(session, reason="abort", error=RequestStalled(
                 f"the client did not read its output for {self.settings.stall_timeout_s:g} s"))
