@@ -332,3 +332,36 @@ def test_inference_mode_is_entered_in_the_worker_thread() -> None:
 
     trio.run(main)
     assert seen and all(inf and not grad for inf, grad in seen)
+
+
+async def test_a_worker_that_breaks_the_protocol_is_dropped(autojump_clock, caplog) -> None:
+    """Garbage from the worker is a ProtocolError: its requests fail with EngineUnavailable, the
+    connection is dropped (and, for a worker process, it is restarted)."""
+    from contextlib import asynccontextmanager
+
+    from trio_infer.runtime.protocol import Hello, encode
+
+    class Broken:
+        def __init__(self) -> None:
+            self.frames = [encode([Hello("m", VOCAB, 64, 16)])]
+
+        async def send_all(self, data: bytes) -> None:
+            self.frames.append(b"\x00\x00\x00\x02\xc1\xc1")  # answers anything with garbage
+
+        async def receive_some(self) -> bytes:
+            while not self.frames:
+                await trio.sleep(1)
+            return self.frames.pop(0)
+
+    @asynccontextmanager
+    async def connect():
+        yield Broken()
+
+    async with trio.open_nursery() as n:
+        ae = AsyncEngine(settings(), connect, Metrics(), restart=False)
+        await n.start(ae.run)
+        with pytest.raises(EngineUnavailable):
+            await collect(ae, [1, 2], [GREEDY])
+        assert not ae.healthy and ae.num_sessions == 0 and not ae.live_uids()
+        assert "broke the protocol" in caplog.text
+        n.cancel_scope.cancel()

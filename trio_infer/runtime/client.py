@@ -285,8 +285,6 @@ class AsyncEngine:
                     if not started:
                         raise
                     log.error("the batching worker failed to start again")
-                except ProtocolError:
-                    log.exception("the batching worker broke the protocol; restarting it")
                 except Exception:
                     if not started:
                         raise
@@ -356,7 +354,12 @@ class AsyncEngine:
                     data = b""
                 if not data:
                     return
-                self._handle(self._protocol.receive_data(data))
+                try:
+                    delivery = self._protocol.receive_data(data)
+                except ProtocolError:
+                    log.exception("the batching worker broke the protocol; restarting it")
+                    return
+                self._handle(delivery)
                 continue
             self._abort_stalled()
 

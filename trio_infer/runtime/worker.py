@@ -20,7 +20,6 @@ starts it with one end of a socket pair as fd N and sends the settings as the fi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import selectors
@@ -168,7 +167,9 @@ class WorkerCore:
         return frames
 
     def _stats(self) -> Stats:
-        return Stats(**dataclasses.asdict(self.engine.statistics()))
+        s = self.engine.statistics()
+        return Stats(s.running, s.waiting, s.pages_used, s.pages_cached, s.pages_total,
+                     s.prefix_queries, s.prefix_hits)
 
     def _frames(self, outputs: dict[int, list[Output]]) -> dict[int, bytes]:
         stats = self._stats()
