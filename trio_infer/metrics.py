@@ -38,3 +38,14 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def snapshot(self) -> dict[str, float]:
+        """The current value of every unlabelled gauge and counter by sample name (counters as
+        ``..._total``), for ``GET /v1/status``; one pass over the registry."""
+        return {
+            sample.name: sample.value
+            for metric in self.registry.collect()
+            if metric.type in ("gauge", "counter")
+            for sample in metric.samples
+            if not sample.labels and not sample.name.endswith("_created")
+        }

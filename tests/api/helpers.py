@@ -159,7 +159,7 @@ async def open_request(client, path: str, body: dict[str, Any]):  # type: ignore
 
     Trap 10: ``TestHTTPConnection.__aexit__`` waits forever for a final body chunk that a
     cancelled app never sends, so the block is left by cancellation (the workaround of
-    notes/trio-stack.md §7). An exception from the block is re-raised after that cancellation,
+    docs/lifecycle.md, trap 10). An exception from the block is re-raised after that cancellation,
     so it cannot be swallowed by it.
     """
     error: BaseException | None = None

@@ -1,5 +1,5 @@
-"""Every way an HTTP request can end leaves nothing behind: the BRIEF's gaps G1-G7 and the traps
-of notes/trio-stack.md, each with a test that fails on the reference behaviour.
+"""Every way an HTTP request can end leaves nothing behind: the reference design's gaps G1-G7 and the traps
+of the trio / quart-trio / hypercorn stack (docs/lifecycle.md), each with a test that fails on the reference behaviour.
 
 All in-process on the fake model with the engine steps inline, under ``autojump_clock``:
 ``wait_all_tasks_blocked`` is the synchronisation, virtual time runs the timeouts, and every test

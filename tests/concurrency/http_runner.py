@@ -10,7 +10,7 @@ streaming body enters the session itself), so every session is logged as in the 
 which is how quart-trio learns that a peer went away, and then waits for the server's ASGI call
 to return; only then does it leave the connection block by cancellation (the test connection's
 ``__aexit__`` would otherwise wait forever for a final body the cancelled app never sends; see
-notes/trio-stack.md section 7).
+docs/lifecycle.md, trap 10).
 """
 
 from __future__ import annotations

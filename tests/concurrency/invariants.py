@@ -1,4 +1,4 @@
-"""The lifecycle invariants of BRIEF.md section 4, checked on a finished run.
+"""The lifecycle invariants (docs/testing.md), checked on a finished run.
 
 Each check raises ``AssertionError`` with a message that names the request and what it saw, so a
 shrunk counterexample reads as a story. The checks of a session's reads (:func:`check_session`)

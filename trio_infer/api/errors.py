@@ -124,7 +124,7 @@ def _short(value: Any) -> str:
 
 
 def _close_unless_body_read(headers: dict[str, str]) -> dict[str, str]:
-    # Trap 2 (notes/trio-stack.md): an answer sent before the request body was fully received
+    # Trap 2 (docs/lifecycle.md): an answer sent before the request body was fully received
     # leaves the keep-alive connection deaf to the next request. Ask the client to close it.
     if not getattr(g, "body_complete", False):
         headers = {**headers, "Connection": "close"}

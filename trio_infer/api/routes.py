@@ -13,6 +13,10 @@ Where a request's state lives and when it dies:
   and the body generator enters the session: leaving the generator for any reason (end,
   disconnect, cancellation) leaves the block. A client gone before the body started never
   entered a session, so there is nothing to clean up.
+
+The chat page (``GET /`` and ``/static/<name>``, files of ``api/static/``) is the only thing
+served without the API key; it calls the API like any client (``/v1/models``, ``/v1/status``,
+``/v1/chat/completions``) and sends the key it asks for.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import time
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
@@ -51,6 +57,76 @@ from trio_infer.runtime.errors import EngineError
 from trio_infer.runtime.text_stream import open_batch_text_stream
 
 log = logging.getLogger(__name__)
+
+# The chat page: plain files shipped in the package (package data), read once when the routes are
+# registered. The page asks the browser to run nothing but these files and to talk to nothing but
+# this server.
+STATIC_DIR = Path(__file__).with_name("static")
+_ASSET_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+}
+_ASSET_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
+_PAGE_HEADERS = {
+    **_ASSET_HEADERS,
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'",
+    "Referrer-Policy": "no-referrer",
+}
+# Endpoints served without the API key: the page and its files (they hold no data; everything
+# the page shows comes from API routes that need the key).
+_PUBLIC_ENDPOINTS = frozenset({"chat_page", "static_asset"})
+
+
+def load_assets(directory: Path = STATIC_DIR) -> dict[str, tuple[bytes, str]]:
+    """``{file name: (bytes, content type)}`` of the page's files."""
+    return {
+        path.name: (path.read_bytes(), _ASSET_TYPES[path.suffix])
+        for path in sorted(directory.iterdir())
+        if path.is_file() and path.suffix in _ASSET_TYPES
+    }
+
+
+def health_problem(state: ServerState) -> str | None:
+    """Why the server cannot take requests now (``/health`` answers 503 with it), or None."""
+    engine = state.engine
+    if engine is None:
+        return "the model is loading"
+    if not engine.healthy:
+        return "the batching worker is not running (it is restarting, or has stopped)"
+    if engine.draining:
+        return "the server is shutting down"
+    return None
+
+
+def status_body(state: ServerState) -> dict[str, Any]:
+    """What ``GET /v1/status`` answers: health, the engine's gauges and the token counters (a
+    client derives rates from two readings and their ``time``)."""
+    values = state.metrics.snapshot()
+    count = lambda name: int(values.get("trio_infer_" + name, 0))  # noqa: E731
+    problem = health_problem(state)
+    return {
+        "healthy": problem is None,
+        "problem": problem,
+        "model": state.limits.name if state.limits is not None else None,
+        "time": time.time(),
+        "requests": {
+            "running": count("requests_running"),
+            "waiting": count("requests_waiting"),
+            "sessions": count("sessions_active"),
+        },
+        "kv_pages": {
+            "used": count("kv_pages_used"),
+            "cached": count("kv_pages_cached"),
+            "total": count("kv_pages_total"),
+        },
+        "tokens": {
+            "prompt": count("prompt_tokens_total"),
+            "generated": count("generation_tokens_total"),
+        },
+    }
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -91,7 +167,7 @@ def register_routes(app: Quart) -> None:
         await request.get_data()
         g.body_complete = True
         key = server_state(app).settings.api_key
-        if key and request.path != "/health":
+        if key and request.path != "/health" and request.endpoint not in _PUBLIC_ENDPOINTS:
             given = request.headers.get("Authorization", "")
             scheme, _, token = given.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
@@ -102,19 +178,30 @@ def register_routes(app: Quart) -> None:
                 )
         return None
 
+    assets = load_assets()
+
+    @app.get("/")
+    async def chat_page() -> Response:
+        body, content_type = assets["index.html"]
+        return Response(body, content_type=content_type, headers=_PAGE_HEADERS)
+
+    @app.get("/static/<name>")
+    async def static_asset(name: str) -> Response:
+        if name not in assets:
+            raise APIError(404, f"No such file: /static/{name}", code="not_found")
+        body, content_type = assets[name]
+        return Response(body, content_type=content_type, headers=_ASSET_HEADERS)
+
     @app.get("/health")
     async def health() -> Response:
-        state = server_state(app)
-        engine = state.engine
-        if engine is None:
-            reason = "the model is loading"
-        elif not engine.healthy:
-            reason = "the batching worker is not running (it is restarting, or has stopped)"
-        elif engine.draining:
-            reason = "the server is shutting down"
-        else:
+        reason = health_problem(server_state(app))
+        if reason is None:
             return json_response({"status": "ok"})
         return json_response(error_body(reason, SERVER_ERROR, code="service_unavailable"), 503)
+
+    @app.get("/v1/status")
+    async def status() -> Response:
+        return json_response(status_body(server_state(app)))
 
     @app.get("/metrics")
     async def metrics() -> Response:

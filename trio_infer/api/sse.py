@@ -1,7 +1,7 @@
 """Server-sent events exactly as the OpenAI API sends them: ``data: {json}\\n\\n`` ... ``data: [DONE]``.
 
 Several events may be joined into one string: the server writes each engine step's output for a
-request with a single send (one ASGI send costs ~60 µs of server CPU; see notes/trio-stack.md §6).
+request with a single send (one ASGI send costs ~60 µs of server CPU; measured on this stack, see docs/benchmarks.md).
 """
 
 from __future__ import annotations
