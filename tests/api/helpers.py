@@ -98,7 +98,7 @@ class StepGate:
 
 
 def counts(app) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    """What must be zero when nothing is in flight (BRIEF invariant 1), from the engine and from
+    """What must be zero when nothing is in flight (lifecycle invariant 1, docs/testing.md), from the engine and from
     the /metrics gauges' underlying values. KV pages kept by the prefix cache are not counted."""
     st = state(app)
     ae, m = st.engine, st.metrics

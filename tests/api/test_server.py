@@ -44,7 +44,7 @@ class Server:
         return httpx.get(self.url + "/metrics", timeout=10).text
 
     def wait_idle(self, timeout: float = 15.0) -> str:
-        """Poll /metrics until no request holds anything (BRIEF invariant 1)."""
+        """Poll /metrics until no request holds anything (lifecycle invariant 1, docs/testing.md)."""
         deadline = time.monotonic() + timeout
         while True:
             text = self.metrics()
