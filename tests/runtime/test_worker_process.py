@@ -88,16 +88,20 @@ def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
 
 
 def stream_events(url: str, body: dict, started: threading.Barrier) -> list:  # type: ignore[type-arg]
-    events = []
+    # Split on the SSE event separator only: the fake model's text may hold characters that
+    # str.splitlines (and so httpx's iter_lines) would take for line breaks.
+    events, buffer = [], b""
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line:
-                continue
-            payload = line[len("data: "):]
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-            if len(events) == 1:
-                started.wait(timeout=60)
+        for chunk in r.iter_bytes():
+            buffer += chunk
+            *blocks, buffer = buffer.split(b"\n\n")
+            for block in blocks:
+                payload = block.decode()[len("data: "):]
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+                if len(events) == 1:
+                    started.wait(timeout=60)
+    assert buffer == b""
     return events
 
 
