@@ -92,6 +92,10 @@ async def serve(settings: Settings, *, task_status: Any = trio.TASK_STATUS_IGNOR
     # Our own drain has ended every request by the time hypercorn is told to stop; this only
     # bounds the wait for connections to close.
     config.graceful_timeout = 2.0
+    # hypercorn's default listen backlog (100) drops the SYNs of a burst of new connections, which
+    # clients retry only after a second: 256 clients arriving at once waited 1-2 s for a first
+    # token. uvicorn's default is 2048; the kernel caps it at net.core.somaxconn.
+    config.backlog = 2048
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # through our logging setup, once
     shutdown = trio.Event()

@@ -17,6 +17,7 @@ from typing import Any, Literal, Sequence
 from trio_infer.api.errors import APIError
 from trio_infer.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from trio_infer.engine.params import SamplingParams
+from trio_infer.runtime.detokenizer import encoder
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], add_generation_
     except Exception as exc:  # a template may raise for conversations it does not support
         raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
     # The template already wrote every special token it wants (BOS included).
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return encoder(tokenizer)(text)
 
 
 def split_prompts(prompt: Any) -> list[Any]:
