@@ -24,6 +24,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from quart import Quart, Response, g, make_response, request
 
 from trio_infer.api import sse
 from trio_infer.api.errors import SERVER_ERROR, APIError, error_body, from_engine_error, internal_error
+from trio_infer.api.jsondepth import MAX_JSON_DEPTH, json_depth
 from trio_infer.api.protocol import (
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
@@ -138,6 +140,36 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value: Any, path: str = "") -> str | None:
+    """Where (a dotted path, "" for the top) a string of ``value`` holds a lone surrogate, or None.
+    Recursion is bounded: the body's depth was checked before it was parsed."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        sub = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and _lone_surrogate(key) is not None:
+            return path
+        found = _lone_surrogate(item, sub)
+        if found is not None:
+            return found
+    return None
+
+
+def _too_deep() -> APIError:
+    return APIError(
+        400, f"The JSON body of your request is nested too deeply (more than {MAX_JSON_DEPTH} levels).",
+        code="json_too_deep",
+    )
+
+
 async def parse_body(model: type[BaseModel], unsupported: dict[str, tuple] | None = None) -> Any:
     """The request body as ``model``, or a 400 that says what is wrong with it."""
     raw = await request.get_data()  # already drained by before_request: cached bytes
@@ -145,14 +177,31 @@ async def parse_body(model: type[BaseModel], unsupported: dict[str, tuple] | Non
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise APIError(400, f"The request body is not valid UTF-8 (byte {exc.start}).") from None
+    # A deeply nested body made json.loads raise RecursionError (a 500): bound the depth first.
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise _too_deep()
     try:
         data = json.loads(text, parse_constant=_reject_constant)
     except ValueError as exc:
         raise APIError(
             400, f"We could not parse the JSON body of your request: {exc}."
         ) from None
+    except RecursionError:  # not reachable below MAX_JSON_DEPTH; never a 500 if it were
+        raise _too_deep() from None
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.")
+    # JSON may escape a lone UTF-16 surrogate ("\ud800"): json.loads gives a str that is no text
+    # (it cannot be encoded), and the tokenizer raised TypeError on it (a 500). Only an escape
+    # can make one (UTF-8 cannot encode surrogates), so look only when the text has one.
+    if _SURROGATE_ESCAPE.search(text):
+        where = _lone_surrogate(data)
+        if where is not None:
+            raise APIError(
+                400, "The request body holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                "without its pair), which is not text"
+                + (f", in '{where}'." if where else "."),
+                param=where or None,
+            )
     if unsupported is not None:
         data = check_fields(data, model, unsupported)
     return model.model_validate(data)
