@@ -365,3 +365,20 @@ async def test_a_worker_that_breaks_the_protocol_is_dropped(autojump_clock, capl
         assert not ae.healthy and ae.num_sessions == 0 and not ae.live_uids()
         assert "broke the protocol" in caplog.text
         n.cancel_scope.cancel()
+
+
+async def test_ending_the_choice_that_was_out_of_credits_unpauses_the_session(autojump_clock) -> None:
+    """Choice 0 fills its credits while choice 1 is read; a stop string then ends choice 0: the
+    session must not stay marked as stalled (it would be aborted after stall_timeout_s)."""
+    engine = make()
+    long = SamplingParams(temperature=0, ignore_eos=True, max_tokens=40)
+    async with open_engine(settings(channel_capacity=2, stall_timeout_s=5), engine=engine) as ae:
+        async with ae.generate([4, 5], [long, long]) as stream:
+            await trio.testing.wait_all_tasks_blocked()  # both choices out of credits: paused
+            stream.finish(0)  # choice 0 ends (as when a stop string matched)
+            got = []
+            async for outs in stream:  # choice 1 is read to its end, slowly
+                got += [o for o in outs if o.uid[1] == 1]
+                await trio.sleep(1)
+            assert got[-1].finish_reason == "length" and sum(len(o.token_ids) for o in got) == 40
+        await assert_clean(ae, engine)

@@ -235,17 +235,20 @@ class AsyncEngine:
         self._protocol.abort(uid)
         session.unfinished.discard(uid)
         if not session.unfinished:
-            self._paused.pop(session, None)
             session.send.close()
+        self._unpause_if_ready(session)  # the choice that was out of credits may be this one
         self._send_wakeup.set()
+
+    def _unpause_if_ready(self, session: _Session) -> None:
+        if session in self._paused and all(self._protocol.credits(u) for u in session.unfinished):
+            del self._paused[session]
 
     def _taken(self, session: _Session, outputs: list[Output]) -> None:
         """The reader took ``outputs``: return their credits."""
         for out in outputs:
             if out.finish_reason is None:
                 self._protocol.give_credit(out.uid)
-        if session in self._paused and all(self._protocol.credits(u) for u in session.unfinished):
-            del self._paused[session]
+        self._unpause_if_ready(session)
         self._send_wakeup.set()
 
     def begin_drain(self) -> None:
@@ -385,8 +388,8 @@ class AsyncEngine:
                 del by_uid[out.uid]
                 session.unfinished.discard(out.uid)
                 if not session.unfinished:
-                    self._paused.pop(session, None)
                     session.send.close()  # the reader sees the end after the last output
+                self._unpause_if_ready(session)
             elif session not in self._paused and not protocol.credits(out.uid):
                 self._paused[session] = now
         for failed in delivery.failed:
