@@ -20,6 +20,7 @@ from trio_infer.app import create_app
 from trio_infer.api.state import ServerState, server_state
 from trio_infer.engine.engine import Engine, EngineConfig
 from trio_infer.models.fake import FakeModel
+from trio_infer.models.fake import expected_next_token
 from trio_infer.models.synthetic import IM_END
 from trio_infer.settings import Settings
 
@@ -47,6 +48,16 @@ def fake_engine(
         max_batched_tokens=max_batched_tokens,
     )
     return Engine(model, config)
+
+
+def expected(tokenizer: Any, prompt: list[int], n: int) -> list[int]:
+    """The fake model's first ``n`` tokens after ``prompt`` (its EOS is the template's IM_END)."""
+    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    seq, out = list(prompt), []
+    for _ in range(n):
+        out.append(expected_next_token(seq, len(tokenizer), eos))
+        seq.append(out[-1])
+    return out
 
 
 def make_app(tokenizer: Any, engine: Engine | None = None, **settings: Any):  # type: ignore[no-untyped-def]

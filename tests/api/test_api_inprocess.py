@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 from .helpers import (
+    expected,
     StepGate,
     all_zero,
     chat_body,
@@ -21,8 +22,6 @@ from .helpers import (
     parse_sse,
     running,
 )
-from trio_infer.models.fake import expected_next_token
-from trio_infer.models.synthetic import IM_END
 
 
 def chat_prompt(tokenizer: Any, content: str) -> list[int]:
@@ -30,15 +29,6 @@ def chat_prompt(tokenizer: Any, content: str) -> list[int]:
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
     )
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-def expected(tokenizer: Any, prompt: list[int], n: int) -> list[int]:
-    eos = tokenizer.convert_tokens_to_ids(IM_END)
-    seq, out = list(prompt), []
-    for _ in range(n):
-        out.append(expected_next_token(seq, len(tokenizer), eos))
-        seq.append(out[-1])
-    return out
 
 
 @pytest.fixture

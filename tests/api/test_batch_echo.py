@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 from .helpers import (
+    expected,
     StepGate,
     all_zero,
     counts,
@@ -24,15 +25,6 @@ from .helpers import (
 )
 from trio_infer.models.fake import expected_next_token
 from trio_infer.models.synthetic import IM_END
-
-
-def expected(tokenizer: Any, prompt: list[int], n: int) -> list[int]:
-    eos = tokenizer.convert_tokens_to_ids(IM_END)
-    seq, out = list(prompt), []
-    for _ in range(n):
-        out.append(expected_next_token(seq, len(tokenizer), eos))
-        seq.append(out[-1])
-    return out
 
 
 def fake_lp(tokenizer: Any, ids: list[int], i: int) -> tuple[float, int]:
