@@ -96,6 +96,13 @@ async def serve(settings: Settings, *, task_status: Any = trio.TASK_STATUS_IGNOR
     # clients retry only after a second: 256 clients arriving at once waited 1-2 s for a first
     # token. uvicorn's default is 2048; the kernel caps it at net.core.somaxconn.
     config.backlog = 2048
+    # Connection limits (README, "Connection limits"). keep_alive_timeout also bounds the time to
+    # send a request's headers (hypercorn counts a connection idle until its headers are in).
+    # hypercorn's read_timeout is left unset: it is a per-read idle timeout on the socket, which
+    # would also cut any request the client waits on longer than it without sending anything.
+    config.keep_alive_timeout = settings.keep_alive_timeout_s
+    config.h11_max_incomplete_size = settings.max_header_bytes
+    config.h2_max_header_list_size = settings.max_header_bytes
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # through our logging setup, once
     shutdown = trio.Event()

@@ -51,6 +51,7 @@ def create_app(settings: Settings | None = None, *, loaded: "tuple[Engine, Any] 
     app.config.update(
         RESPONSE_TIMEOUT=None,  # trap 1: streams may run for minutes
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
+        BODY_TIMEOUT=settings.body_timeout_s,  # a body trickled slower than this: 408
         # The engine is stopped by after_serving and the app nursery's cancellation; do not
         # wait 5 s for it at every shutdown (trap 10).
         BACKGROUND_TASK_SHUTDOWN_TIMEOUT=None,

@@ -94,6 +94,23 @@ class Settings(BaseSettings):
     # -- server -------------------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = 8000
+    # Connection limits (slowloris and the like). hypercorn 0.18 has no cap on concurrent
+    # connections: what bounds them is that each idle or trickling one is closed by these.
+    keep_alive_timeout_s: float = Field(
+        5.0, gt=0, description="A connection that has not sent a complete request line and "
+        "headers within this long (since it opened, or since its last response ended) is closed: "
+        "idle keep-alive connections and header slowloris alike (hypercorn's keep_alive_timeout; "
+        "serve only). It never cuts a request being answered.",
+    )
+    max_header_bytes: int = Field(
+        16 * 1024, ge=1024, description="Largest request line plus headers; a bigger one is "
+        "refused (431) and its connection closed (hypercorn's h11_max_incomplete_size and "
+        "h2_max_header_list_size; serve only).",
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="The whole request body must arrive within this long, else 408 "
+        "and the connection is closed (body slowloris; Quart's BODY_TIMEOUT).",
+    )
     shutdown_grace_s: float = Field(
         5.0, ge=0, description="On SIGTERM, how long running requests may still finish."
     )

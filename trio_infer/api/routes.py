@@ -210,6 +210,17 @@ async def parse_body(model: type[BaseModel], unsupported: dict[str, tuple] | Non
 def register_routes(app: Quart) -> None:
     @app.before_request
     async def _prepare() -> Any:
+        # max_header_bytes, exactly: hypercorn's h11_max_incomplete_size only bounds a head still
+        # incomplete after a read, so a bigger head that arrives in one read (up to 64 KiB) got in.
+        limit = server_state(app).settings.max_header_bytes
+        head = len(request.method) + len(request.full_path) + sum(
+            len(k) + len(v) + 4 for k, v in request.headers.items()
+        )
+        if head > limit:
+            raise APIError(
+                431, f"The request line and headers hold {head} bytes; this server takes at most "
+                f"{limit}.", code="headers_too_large",
+            )
         # Trap 2: read the whole body before anything can answer, so an early error (404, 405,
         # 401, 400) never leaves a half-read request on a keep-alive connection. Raises 413 past
         # MAX_CONTENT_LENGTH; the error handler then adds "Connection: close".
