@@ -32,6 +32,7 @@ from trio_infer.api.jsondepth import MAX_JSON_DEPTH, json_depth
 
 KEY = "sekrit-key"
 BODY_LIMIT = 16 * 1024  # max_body_bytes of the app under test: oversized bodies stay cheap
+HEADER_LIMIT = 2048  # max_header_bytes of the app under test
 MAX_MODEL_LEN = 128  # a valid request the fuzzer happens to build generates little
 
 HARDENING = settings(
@@ -229,6 +230,8 @@ def bad_requests(draw: st.DrawFn, keyed: bool) -> BadRequest:
         ]))
     elif draw(st.integers(0, 4)) == 0:
         headers["Authorization"] = "Bearer anything"
+    if draw(st.integers(0, 9)) == 0:  # around max_header_bytes: 431 past it
+        headers["X-Pad"] = "a" * draw(st.sampled_from([10, HEADER_LIMIT - 600, HEADER_LIMIT, 4 * HEADER_LIMIT]))
     if draw(st.integers(0, 4)) == 0:
         headers["Accept"] = draw(st.sampled_from(["text/html", "*/*", "text/event-stream", "x/y;q=bad"]))
     cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=3))) if body else []
@@ -292,7 +295,7 @@ def run_batch(tokenizer: Any, reqs: list[BadRequest], keyed: bool) -> None:
     async def main() -> None:
         app = make_app(
             tokenizer, fake_engine(tokenizer, max_model_len=MAX_MODEL_LEN, num_pages=64),
-            max_body_bytes=BODY_LIMIT, api_key=KEY if keyed else None,
+            max_body_bytes=BODY_LIMIT, max_header_bytes=HEADER_LIMIT, api_key=KEY if keyed else None,
         )
         with trio.fail_after(120):  # virtual seconds: a request that hangs fails at once
             async with running(app) as client:
