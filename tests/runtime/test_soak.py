@@ -1,0 +1,167 @@
+"""Soak: a real ``python -m trio_infer serve --model fake`` process under a mix of clients that
+finish, disconnect mid-stream, time out mid-request, read slowly, send bad input or half a
+request; then every gauge must be back to 0 and the processes' memory within bounds.
+
+The fast variant (what ``make test`` runs) sends 240 requests, 16 at a time (~20 s);
+``TRIO_INFER_SOAK_REQUESTS=5000`` runs a long one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+import trio
+
+from .test_worker_process import children, free_port, health, wait_for
+
+REQUESTS = int(os.environ.get("TRIO_INFER_SOAK_REQUESTS", "240"))
+CONCURRENCY = 16
+RSS_GROWTH_MB = 60  # per process, from after a warm-up to the end
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trio_infer", "serve", "--model", "fake", "--fake-step-ms", "2",
+         "--port", str(port), "--cache-dir", str(tmp_path), "--channel-capacity", "4",
+         "--stall-timeout-s", "2", "--body-timeout-s", "2", "--keep-alive-timeout-s", "2",
+         "--shutdown-grace-s", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        wait_for(lambda: health(url) == 200 or proc.poll() is not None, 120, "the server")
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def status(url: str) -> dict:  # type: ignore[type-arg]
+    return httpx.get(url + "/v1/status", timeout=5).json()
+
+
+def idle(st: dict) -> bool:  # type: ignore[type-arg]
+    return (
+        st["requests"] == {"running": 0, "waiting": 0, "sessions": 0}
+        and st["kv_pages"]["used"] == st["kv_pages"]["cached"]
+    )
+
+
+BAD_BODIES = [
+    b"[" * 3000 + b"]" * 3000,
+    json.dumps({"model": "fake", "prompt": "\ud800"}).encode(),
+    b'{"model": "fake", "prompt": ',
+    b"\xff\xfe{}",
+    json.dumps({"model": "fake", "prompt": "x", "max_tokens": "5"}).encode(),
+    json.dumps({"model": "nope", "prompt": "x"}).encode(),
+    json.dumps({"model": "fake", "prompt": "x", "tools": [{"type": "function"}]}).encode(),
+]
+
+
+async def one(client: httpx.AsyncClient, url: str, kind: str, rng: random.Random, tally: dict) -> None:  # type: ignore[type-arg]
+    body = {"model": "fake", "prompt": "soak " * rng.randint(1, 20), "max_tokens": rng.randint(1, 64),
+            "ignore_eos": True}
+    if kind == "complete":
+        r = await client.post(url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == body["max_tokens"]
+    elif kind == "stream":
+        async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+            text = b"".join([chunk async for chunk in r.aiter_bytes()])
+        assert text.endswith(b"data: [DONE]\n\n") and b'"error"' not in text, text[-300:]
+    elif kind == "disconnect":  # leave a stream after a few chunks
+        async with client.stream("POST", url + "/v1/completions",
+                                 json={**body, "max_tokens": 2000, "stream": True}) as r:
+            seen = 0
+            async for _ in r.aiter_bytes():
+                seen += 1
+                if seen >= rng.randint(1, 5):
+                    break
+    elif kind == "timeout":  # a non-streaming request the client gives up on
+        with pytest.raises(httpx.TimeoutException):
+            await client.post(url + "/v1/completions", json={**body, "max_tokens": 3000},
+                              timeout=rng.uniform(0.01, 0.2))
+    elif kind == "slow":  # reads a chunk every 50 ms
+        async with client.stream("POST", url + "/v1/completions",
+                                 json={**body, "max_tokens": 40, "stream": True}) as r:
+            async for _ in r.aiter_bytes():
+                await trio.sleep(0.05)
+    elif kind == "stall":  # reads nothing past the stall timeout, then leaves
+        async with client.stream("POST", url + "/v1/completions",
+                                 json={**body, "max_tokens": 3000, "stream": True}) as r:
+            await trio.sleep(2.5)
+    elif kind == "bad":
+        r = await client.post(url + "/v1/completions", content=rng.choice(BAD_BODIES),
+                              headers={"Content-Type": "application/json"})
+        assert 400 <= r.status_code < 500, r.text
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    elif kind == "half":  # half a request on a raw socket, then gone
+        host, port = url.removeprefix("http://").split(":")
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{")
+        await trio.sleep(rng.uniform(0, 0.1))
+        await stream.aclose()
+    tally[kind] = tally.get(kind, 0) + 1
+
+
+KINDS = ["complete"] * 4 + ["stream"] * 4 + ["disconnect"] * 3 + ["timeout"] * 2 + ["slow", "stall", "half"] + ["bad"] * 3
+
+
+async def test_soak_then_every_gauge_back_to_zero(server) -> None:  # type: ignore[no-untyped-def]
+    proc, url = server
+    [worker] = children(proc.pid)
+    rng = random.Random(1234)
+    tally: dict[str, int] = {}
+    limits = httpx.Limits(max_connections=CONCURRENCY * 2)
+    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+        for _ in range(20):  # warm-up: the first requests allocate what stays
+            await one(client, url, "complete", rng, tally)
+        base = {pid: rss_mb(pid) for pid in (proc.pid, worker)}
+        plan = [rng.choice(KINDS) for _ in range(REQUESTS)]
+        limiter = trio.CapacityLimiter(CONCURRENCY)
+
+        async def run(kind: str, seed: int) -> None:
+            async with limiter:
+                await one(client, url, kind, random.Random(seed), tally)
+
+        start = time.monotonic()
+        with trio.fail_after(60 + REQUESTS * 0.5):
+            async with trio.open_nursery() as nursery:
+                for i, kind in enumerate(plan):
+                    nursery.start_soon(run, kind, i)
+        took = time.monotonic() - start
+    # Everything let go within the stall timeout (a stalled request is aborted after 2 s).
+    await trio.to_thread.run_sync(lambda: wait_for(lambda: idle(status(url)), 10, "the gauges to reach 0"))
+    metrics = httpx.get(url + "/metrics", timeout=5).text
+    for name in ("trio_infer_sessions_active", "trio_infer_requests_running", "trio_infer_requests_waiting"):
+        line = next(l for l in metrics.splitlines() if l.startswith(name + " "))
+        assert float(line.split()[1]) == 0, line
+    grown = {pid: rss_mb(pid) - base[pid] for pid in base}
+    print(f"soak: {REQUESTS} requests in {took:.1f} s, {tally}, RSS growth MB {grown}")
+    assert all(g < RSS_GROWTH_MB for g in grown.values()), grown
+    assert set(tally) == set(KINDS)
+    assert health(url) == 200
+    assert proc.poll() is None and children(proc.pid) == {worker}  # no worker restart
