@@ -10,7 +10,9 @@ keep-alive connection was never closed by the server after its first response, a
 could hold any number of connections open by sending one request on each.
 
 The fix shields the idle-timer restart from the app's cancellation: the timer then runs in the
-connection's task group, as hypercorn intends. ``tests/runtime/test_connection_limits.py``
+connection's task group, as hypercorn intends. And after a ``Connection: close`` response the
+timer is started too (hypercorn started none: the socket stayed open as long as the client
+kept it). ``tests/runtime/test_connection_limits.py``
 proves it against a real server (and fails without it).
 """
 
@@ -30,12 +32,15 @@ def patch_keep_alive() -> bool:
     if _APPLIED:
         return True
     try:
+        import h11
         import hypercorn.trio.run as run_module
         from hypercorn.events import Updated
+        from hypercorn.protocol.h11 import H11Protocol
         from hypercorn.trio.tcp_server import TCPServer
     except ImportError:
         return False
-    if getattr(run_module, "TCPServer", None) is not TCPServer or not hasattr(TCPServer, "protocol_send"):
+    if getattr(run_module, "TCPServer", None) is not TCPServer or not hasattr(TCPServer, "protocol_send") \
+            or not hasattr(H11Protocol, "_maybe_recycle"):
         return False
 
     class KeepAliveTCPServer(TCPServer):
@@ -47,5 +52,22 @@ def patch_keep_alive() -> bool:
                 await super().protocol_send(event)
 
     run_module.TCPServer = KeepAliveTCPServer  # type: ignore[misc]
+
+    # A response that says "Connection: close" (ours does when it is sent before the request's
+    # body was read: 408, 413, 431) leaves h11 in MUST_CLOSE, and hypercorn then neither closes
+    # the socket nor starts the idle timer: a client that kept sending, or just kept the socket,
+    # held the connection for good. Start the idle timer there too: the connection is closed
+    # keep_alive_timeout after such a response, which leaves the client that long to read it.
+    recycle = H11Protocol._maybe_recycle
+
+    async def _maybe_recycle(self: Any) -> None:
+        # This runs in the app's task, which quart-trio cancels on the http.disconnect that
+        # recycle() sends first: shield it (bookkeeping, no waiting; bounded all the same).
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + 1):
+            await recycle(self)
+            if self.connection.our_state is h11.MUST_CLOSE and not self.context.terminated.is_set():
+                await self.send(Updated(idle=True))
+
+    H11Protocol._maybe_recycle = _maybe_recycle  # type: ignore[method-assign]
     _APPLIED = True
     return True
