@@ -100,7 +100,9 @@ class _SamplingFields(_Strict):
     n: Annotated[int, Field(ge=1)] | None = 1
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    # Bounded: an int past 2**64 passed validation and then broke the encoder of the pipe to
+    # the worker (OverflowError), which failed every running request (docs/testing.md).
+    top_k: Annotated[int, Field(ge=-1, lt=2**31)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
