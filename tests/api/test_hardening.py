@@ -426,11 +426,12 @@ INT_FIELDS = ["max_tokens", "max_completion_tokens", "n", "top_k", "seed", "logp
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-@pytest.mark.parametrize("value", [2**64, 10**30, -(2**63) - 1])
+@pytest.mark.parametrize("value", [2**64, 10**30, -(2**63) - 1, 10**4300 - 1])  # 4,300 nines
 def test_huge_integers_in_any_field_are_a_400(tokenizer: Any, path: str, value: int) -> None:
     """The random suite's find: "top_k": 99999999999999999999 passed validation, then the
     protocol's encoder raised OverflowError in the front end's send loop: the connection to the
-    worker failed and every running request with it (503)."""
+    worker failed and every running request with it (503). And a 4,300-digit max_tokens (the
+    most json.loads takes) plus the prompt's length was a number too long to format (500)."""
     for name in INT_FIELDS:
         body = {**base_body(path), name: [value] if name == "stop_token_ids" else value}
         req = BadRequest("POST", path, {"Content-Type": "application/json"}, "huge-int", json.dumps(body).encode())

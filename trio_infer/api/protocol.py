@@ -96,8 +96,10 @@ class _SamplingFields(_Strict):
     model: str
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    n: Annotated[int, Field(ge=1)] | None = 1
+    # Integers are bounded where they can grow: a 4,300-digit max_tokens plus the prompt's length
+    # made a number Python refuses to format (ValueError in the 400's message: a 500).
+    max_tokens: Annotated[int, Field(ge=1, lt=2**63)] | None = None
+    n: Annotated[int, Field(ge=1, lt=2**63)] | None = 1
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     # Bounded: an int past 2**64 passed validation and then broke the encoder of the pipe to
@@ -120,7 +122,7 @@ class _SamplingFields(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, lt=2**63)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     metadata: dict[str, str] | None = None  # accepted: stored nowhere, changes nothing
@@ -131,7 +133,7 @@ class CompletionRequest(_SamplingFields):
     # prompt gets n choices (plans.py).
     prompt: str | list[int] | list[str] | list[list[int]]
     # 0 generates nothing: with echo, the prompt alone (and its logprobs, if asked).
-    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    max_tokens: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     echo: bool | None = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
