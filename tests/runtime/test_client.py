@@ -382,3 +382,23 @@ async def test_ending_the_choice_that_was_out_of_credits_unpauses_the_session(au
                 await trio.sleep(1)
             assert got[-1].finish_reason == "length" and sum(len(o.token_ids) for o in got) == 40
         await assert_clean(ae, engine)
+
+
+async def test_a_request_that_cannot_be_encoded_fails_alone(autojump_clock) -> None:
+    """An integer the wire cannot carry (top_k of 10^20) is refused when the request is queued,
+    in the request's own task: the connection and the other requests go on."""
+    engine = make()
+    async with open_engine(settings(), engine=engine) as ae:
+        async with trio.open_nursery() as n:
+            results = {}
+
+            async def other() -> None:
+                results["other"] = await collect(ae, [3, 4], [GREEDY])
+
+            n.start_soon(other)
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(ValueError, match="cannot be sent"):
+                async with ae.generate([1], [GREEDY, SamplingParams(top_k=10**20)]):
+                    pass
+        assert len(results["other"][0]) == 10 and ae.healthy
+        await assert_clean(ae, engine)

@@ -189,11 +189,17 @@ class AsyncEngine:
         send, receive = trio.open_memory_channel[Output](credits * len(prompts) * n)
         uids = [(request_id, i) for i in range(len(prompts) * n)]
         session = _Session(request_id, uids, send, arrival=trio.current_time(), unfinished=set(uids))
-        for j, prompt_ids in enumerate(prompts):
-            for i, p in enumerate(params):
-                uid = uids[j * n + i]
-                self._protocol.add(uid, prompt_ids, p, credits)
-                self._by_uid[uid] = session
+        try:
+            for j, prompt_ids in enumerate(prompts):
+                for i, p in enumerate(params):
+                    uid = uids[j * n + i]
+                    self._protocol.add(uid, prompt_ids, p, credits)  # may refuse (ValueError)
+                    self._by_uid[uid] = session
+        except BaseException:
+            for uid in uids:
+                if self._by_uid.pop(uid, None) is not None:
+                    self._protocol.abort(uid)
+            raise
         self._sessions[request_id] = session
         self._num_waiting += len(uids)
         self.metrics.sessions_active.set(len(self._sessions))

@@ -193,19 +193,26 @@ class ClientProtocol:
 
     def __init__(self) -> None:
         self._credits: dict[Uid, int] = {}
-        self._outbox: list[ToWorker] = []
+        self._outbox: list[ToWorker | msgspec.Raw] = []  # an Add is encoded when it is queued
         self._returned: dict[Uid, int] = {}
         self._decoder = FrameDecoder(FromWorker)
 
     # calls from the front end
 
     def add(self, uid: Uid, prompt_ids: list[int], params: SamplingParams, credits: int) -> None:
+        """Queue a sequence. Raises ValueError for what cannot go on the wire (an integer beyond
+        64 bits, say): it is encoded here, so a bad request fails alone, in its own task, and
+        never breaks the frame that carries everyone else's messages."""
         if uid in self._credits:
             raise ValueError(f"uid {uid} is already live")
         if credits < 1:
             raise ValueError("a sequence needs at least one credit")
+        try:
+            message = msgspec.Raw(_encoder.encode(Add(uid, prompt_ids, params, credits)))
+        except (OverflowError, TypeError, msgspec.EncodeError) as exc:
+            raise ValueError(f"the request cannot be sent to the worker: {exc}") from None
         self._credits[uid] = credits
-        self._outbox.append(Add(uid, prompt_ids, params, credits))
+        self._outbox.append(message)
 
     def abort(self, uid: Uid) -> bool:
         """End ``uid`` on the front end's side. False if it was not live (already ended)."""
@@ -235,7 +242,7 @@ class ClientProtocol:
         """Everything queued since the last call, as one frame (b"" if nothing)."""
         if not self._outbox and not self._returned:
             return b""
-        messages: list[ToWorker] = self._outbox
+        messages: list[ToWorker | msgspec.Raw] = self._outbox
         messages.extend(Credit(uid, n) for uid, n in self._returned.items())
         self._outbox, self._returned = [], {}
         return encode(messages)
