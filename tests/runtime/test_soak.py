@@ -3,7 +3,8 @@ finish, disconnect mid-stream, time out mid-request, read slowly, send bad input
 request; then every gauge must be back to 0 and the processes' memory within bounds.
 
 The fast variant (what ``make test`` runs) sends 240 requests, 16 at a time (~20 s);
-``TRIO_INFER_SOAK_REQUESTS=5000`` runs a long one.
+``TRIO_INFER_SOAK_REQUESTS=10000 TRIO_INFER_SOAK_CONCURRENCY=256 TRIO_INFER_SOAK_KEEP_ALIVE_S=30``
+runs the full profile.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ import trio
 from .test_worker_process import children, free_port, health, wait_for
 
 REQUESTS = int(os.environ.get("TRIO_INFER_SOAK_REQUESTS", "240"))
-CONCURRENCY = 16
+CONCURRENCY = int(os.environ.get("TRIO_INFER_SOAK_CONCURRENCY", "16"))
+# The server's keep-alive timeout. Short in the fast variant, so idle connections are closed during
+# it; at 256 clients on 2 cores a connection can wait longer than 2 s for the congested event loop
+# to read its request, and the timer then closes it unanswered (docs/testing.md, soak).
+KEEP_ALIVE_S = os.environ.get("TRIO_INFER_SOAK_KEEP_ALIVE_S", "2")
 RSS_GROWTH_MB = 60  # per process, from after a warm-up to the end
 
 
@@ -36,7 +41,7 @@ def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "trio_infer", "serve", "--model", "fake", "--fake-step-ms", "2",
          "--port", str(port), "--cache-dir", str(tmp_path), "--channel-capacity", "4",
-         "--stall-timeout-s", "2", "--body-timeout-s", "2", "--keep-alive-timeout-s", "2",
+         "--stall-timeout-s", "2", "--body-timeout-s", "2", "--keep-alive-timeout-s", KEEP_ALIVE_S,
          "--shutdown-grace-s", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -49,6 +54,10 @@ def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def num_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def rss_mb(pid: int) -> float:
@@ -135,6 +144,7 @@ async def test_soak_then_every_gauge_back_to_zero(server) -> None:  # type: igno
     [worker] = children(proc.pid)
     rng = random.Random(1234)
     tally: dict[str, int] = {}
+    fds = {pid: num_fds(pid) for pid in (proc.pid, worker)}  # no client connection yet
     limits = httpx.Limits(max_connections=CONCURRENCY * 2)
     async with httpx.AsyncClient(timeout=30, limits=limits) as client:
         for _ in range(20):  # warm-up: the first requests allocate what stays
@@ -160,8 +170,12 @@ async def test_soak_then_every_gauge_back_to_zero(server) -> None:  # type: igno
         line = next(l for l in metrics.splitlines() if l.startswith(name + " "))
         assert float(line.split()[1]) == 0, line
     grown = {pid: rss_mb(pid) - base[pid] for pid in base}
-    print(f"soak: {REQUESTS} requests in {took:.1f} s, {tally}, RSS growth MB {grown}")
-    assert all(g < RSS_GROWTH_MB for g in grown.values()), grown
+    # Every connection the clients opened is closed again: file descriptors back to where they were.
+    await trio.to_thread.run_sync(lambda: wait_for(
+        lambda: all(num_fds(pid) <= fds[pid] for pid in fds), 10, "file descriptors back"))
+    print(f"soak: {REQUESTS} requests in {took:.1f} s, {tally}, RSS MB after warm-up {base}, "
+          f"growth MB {grown}, file descriptors {fds}")
+    assert all(g < RSS_GROWTH_MB and g < 0.1 * base[pid] for pid, g in grown.items()), grown
     assert set(tally) == set(KINDS)
     assert health(url) == 200
     assert proc.poll() is None and children(proc.pid) == {worker}  # no worker restart
