@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -23,7 +21,7 @@ import httpx
 import pytest
 import trio
 
-from .test_worker_process import children, free_port, health, wait_for
+from .test_worker_process import children, health, serving_fake, wait_for
 
 REQUESTS = int(os.environ.get("TRIO_INFER_SOAK_REQUESTS", "240"))
 CONCURRENCY = int(os.environ.get("TRIO_INFER_SOAK_CONCURRENCY", "16"))
@@ -36,24 +34,10 @@ RSS_GROWTH_MB = 60  # per process, from after a warm-up to the end
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trio_infer", "serve", "--model", "fake", "--fake-step-ms", "2",
-         "--port", str(port), "--cache-dir", str(tmp_path), "--channel-capacity", "4",
-         "--stall-timeout-s", "2", "--body-timeout-s", "2", "--keep-alive-timeout-s", KEEP_ALIVE_S,
-         "--shutdown-grace-s", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        wait_for(lambda: health(url) == 200 or proc.poll() is not None, 120, "the server")
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with serving_fake(tmp_path, "--fake-step-ms", "2", "--channel-capacity", "4",
+                      "--stall-timeout-s", "2", "--body-timeout-s", "2",
+                      "--keep-alive-timeout-s", KEEP_ALIVE_S, "--shutdown-grace-s", "0") as served:
+        yield served
 
 
 def num_fds(pid: int) -> int:

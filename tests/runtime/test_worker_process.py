@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -66,14 +67,15 @@ def health(url: str) -> int:
         return 0
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+@contextmanager
+def serving_fake(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``python -m trio_infer serve --model fake ARGS`` on a free port, once /health says 200;
+    killed on exit if still running."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trio_infer", "serve", "--model", "fake", "--fake-step-ms", "5",
-         "--max-running", "64", "--port", str(port), "--cache-dir", str(tmp_path),
-         "--worker-restart-delay-s", "0.1", "--shutdown-grace-s", "1"],
+        [sys.executable, "-m", "trio_infer", "serve", "--model", "fake", "--port", str(port),
+         "--cache-dir", str(tmp_path), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -85,6 +87,13 @@ def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    with serving_fake(tmp_path, "--fake-step-ms", "5", "--max-running", "64",
+                      "--worker-restart-delay-s", "0.1", "--shutdown-grace-s", "1") as served:
+        yield served
 
 
 def stream_events(url: str, body: dict, started: threading.Barrier) -> list:  # type: ignore[type-arg]

@@ -231,9 +231,6 @@ class ClientProtocol:
     def credits(self, uid: Uid) -> int:
         return self._credits.get(uid, 0)
 
-    def is_live(self, uid: Uid) -> bool:
-        return uid in self._credits
-
     @property
     def live_uids(self) -> list[Uid]:
         return list(self._credits)
@@ -246,9 +243,6 @@ class ClientProtocol:
         messages.extend(Credit(uid, n) for uid, n in self._returned.items())
         self._outbox, self._returned = [], {}
         return encode(messages)
-
-    def has_data_to_send(self) -> bool:
-        return bool(self._outbox or self._returned)
 
     def reset(self) -> list[Uid]:
         """The worker is gone: forget every uid and everything queued. Returns the live uids."""
