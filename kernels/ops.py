@@ -1,8 +1,12 @@
 """The dispatcher: the only kernel entry points the engine calls.
 
-On CUDA tensors (and when Triton imports) each op runs its Triton kernel; everywhere else it runs
-the torch reference in :mod:`kernels.reference`. ``TRIO_INFER_KERNELS=reference`` forces the
-reference path, e.g. to compare backends end to end.
+On CUDA tensors (and when Triton imports) each op runs its Triton kernel; on fp32 CPU tensors the
+C kernels of :mod:`kernels.cpu` (when they build on this machine); everywhere else the torch
+reference in :mod:`kernels.reference`. ``TRIO_INFER_KERNELS=reference`` forces the reference
+path, e.g. to compare backends end to end.
+
+A linear layer's weight is a tensor (``F.linear``) or a :class:`~kernels.cpu.PackedWeight`
+(GGUF blocks, read by the C kernel; the loader packs weights only where that kernel runs).
 
 The Triton modules are imported on first use and only for CUDA tensors, so a CPU machine never
 imports Triton at all: a missing or broken Triton install cannot stop the CPU engine.
@@ -18,13 +22,32 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
+import torch.nn.functional as F
+
+from kernels import cpu, reference
+from kernels.cpu import CpuKernels, PackedWeight
 
 _FORCE_REFERENCE = os.environ.get("TRIO_INFER_KERNELS", "") == "reference"
 
 
 def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and not _FORCE_REFERENCE and _triton_available()
+
+
+def _cpu(*tensors: torch.Tensor) -> CpuKernels | None:
+    """The C kernels if they run here and every tensor is a contiguous fp32 CPU tensor."""
+    if _FORCE_REFERENCE:
+        return None
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+            return None
+    return cpu.load()
+
+
+def _heads_contiguous(t: torch.Tensor) -> bool:
+    """[T, H, D] with each token's heads packed (rows may be strided: views into a fused qkv)."""
+    return (t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(2) == 1
+            and t.stride(1) == t.shape[2])
 
 
 @contextlib.contextmanager
@@ -66,8 +89,35 @@ def _triton_kernels() -> dict[str, ModuleType]:
 
 
 def backend(t: torch.Tensor) -> str:
-    """``"triton"`` or ``"reference"``: which implementation the ops run for tensors like ``t``."""
-    return "triton" if _use_triton(t) else "reference"
+    """``"triton"``, ``"cpu"`` (the C kernels) or ``"reference"``: which implementation the ops
+    run for tensors like ``t``."""
+    if _use_triton(t):
+        return "triton"
+    return "cpu" if _cpu(t) is not None else "reference"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``; x: [M, K]."""
+    if isinstance(weight, PackedWeight):
+        kernels = _cpu(x, *(() if bias is None else (bias,)))
+        if kernels is None:
+            raise ValueError(
+                f"a {weight.fmt} weight needs the CPU kernels and contiguous fp32 CPU input "
+                f"(got {x.dtype} on {x.device}, kernels {'off' if cpu.load() is None else 'on'})"
+            )
+        return kernels.linear(x, weight, bias, torch.get_num_threads())
+    return F.linear(x, weight, bias)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
+    """Rows ``ids`` of an embedding table."""
+    if isinstance(weight, PackedWeight):
+        kernels = cpu.load()
+        if kernels is None or ids.dtype != torch.int64 or not ids.is_contiguous():
+            raise ValueError(f"a {weight.fmt} embedding needs the CPU kernels and int64 ids")
+        return kernels.dequant_rows(weight, ids)
+    return F.embedding(ids, weight)
 
 
 def store_kv(
@@ -88,9 +138,23 @@ def decode_attention(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    impl = _triton_kernels()["decode_attention"] if _use_triton(q) else reference
-    return impl.decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale)
+    """``max_seq_len`` (the longest context, known on the host) spares the C path a read of
+    ``seq_lens``; the other paths do not need it."""
+    if _use_triton(q):
+        return _triton_kernels()["decode_attention"].decode_attention(
+            q, k_cache, v_cache, page_table, seq_lens, scale)
+    kernels = _cpu(k_cache, v_cache)
+    if (kernels is not None and _heads_contiguous(q) and q.shape[2] % 8 == 0
+            and q.shape[1] % k_cache.shape[2] == 0 and q.shape[1] // k_cache.shape[2] <= 64
+            and page_table.dtype == seq_lens.dtype == torch.int64
+            and page_table.stride(1) == 1 and seq_lens.is_contiguous()):
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max()) if seq_lens.numel() else 1
+        return kernels.decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale,
+                                        max_seq_len, torch.get_num_threads())
+    return reference.decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale)
 
 
 def extend_attention(
@@ -119,8 +183,12 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    impl = _triton_kernels()["rms_norm"] if _use_triton(x) else reference
-    return impl.rms_norm(x, weight, eps, residual)
+    if _use_triton(x):
+        return _triton_kernels()["rms_norm"].rms_norm(x, weight, eps, residual)
+    kernels = _cpu(x, weight, *(() if residual is None else (residual,)))
+    if kernels is not None and x.dim() == 2:
+        return kernels.rms_norm(x, weight, eps, residual, torch.get_num_threads())
+    return reference.rms_norm(x, weight, eps, residual)
 
 
 def rotary_embedding(
@@ -133,6 +201,36 @@ def rotary_embedding(
     return impl.rotary_embedding(q, k, positions, cos_sin_cache)
 
 
+def rotary_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotary_embedding` on q and k, then :func:`store_kv` of the rotated k and v.
+
+    Returns the rotated ``(q, k)``. The C path rotates q and k in place (they are the caller's
+    fresh projections; nothing else reads them), the others return new tensors.
+    """
+    kernels = None if q.is_cuda else _cpu(cos_sin_cache, k_cache, v_cache)
+    if (kernels is not None and _heads_contiguous(q) and _heads_contiguous(k)
+            and _heads_contiguous(v) and positions.dtype == slot_mapping.dtype == torch.int64
+            and positions.is_contiguous() and slot_mapping.is_contiguous()):
+        kernels.rope_store(q, k, v, positions, slot_mapping, cos_sin_cache, k_cache, v_cache)
+        return q, k
+    q, k = rotary_embedding(q, k, positions, cos_sin_cache)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    impl = _triton_kernels()["activation"] if _use_triton(x) else reference
-    return impl.silu_and_mul(x)
+    if _use_triton(x):
+        return _triton_kernels()["activation"].silu_and_mul(x)
+    kernels = _cpu(x)
+    if kernels is not None and x.dim() == 2:
+        return kernels.silu_and_mul(x, torch.get_num_threads())
+    return reference.silu_and_mul(x)

@@ -37,6 +37,8 @@ from trio_infer.models.default_model import (
     default_model_file,
 )
 from trio_infer.models.gguf_loader import GGUFError
+from kernels import cpu
+from kernels.cpu import PackedWeight
 from trio_infer.models.loader import load_model, load_tokenizer, resolve_model_path
 from trio_infer.models.synthetic import CHAT_TEMPLATE, IM_END_ID
 
@@ -149,6 +151,24 @@ def test_smollm2_greedy_matches_transformers_gguf_load(smollm2: tuple[Any, Any])
                                               dtype=torch.float32).eval()
     theirs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     assert ours == theirs
+
+
+@needs_smollm2
+def test_smollm2_packed_blocks_match_the_dequantized_model(smollm2: tuple[Any, Any]) -> None:
+    """The default load keeps the Q4_1/Q8_0 blocks (CPU kernels); the same file dequantized to
+    fp32 (torch path) gives the same greedy ids and logits equal to float rounding."""
+    model, tokenizer = smollm2
+    if cpu.load() is None:
+        pytest.skip("the CPU kernels do not build here: the default load is the dequantized one")
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj.packed, PackedWeight)
+    assert model.model.embed_tokens.packed.fmt == "Q8_0"
+    dense = load_model(SMOLLM2, keep_blocks=False)
+    assert dense.model.layers[0].mlp.gate_up_proj.packed is None
+    prompts = [tokenizer.encode(p) for p in RAW_PROMPTS]
+    prompts += [chat_ids(tokenizer, q) for q in CHAT_PROMPTS]
+    assert run_greedy(model, prompts, NEW_TOKENS) == run_greedy(dense, prompts, NEW_TOKENS)
+    torch.testing.assert_close(prefill_logits(model, prompts[0]),
+                               prefill_logits(dense, prompts[0]), rtol=1e-4, atol=1e-4)
 
 
 @needs_smollm2

@@ -1,4 +1,4 @@
-"""The dispatcher: references on CPU tensors, Triton only for CUDA tensors."""
+"""The dispatcher: C kernels (or the references) on CPU tensors, Triton only for CUDA tensors."""
 
 from __future__ import annotations
 
@@ -8,18 +8,20 @@ from pathlib import Path
 
 import torch
 
-from kernels import ops, reference
+from kernels import cpu, ops, reference
 from kernels.triton_utils import is_interpreted
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_cpu_tensors_use_the_reference() -> None:
+def test_cpu_tensors_use_the_c_kernels_where_they_build() -> None:
     x = torch.randn(3, 8)
-    assert ops.backend(x) == "reference"
-    torch.testing.assert_close(ops.silu_and_mul(x), reference.silu_and_mul(x), rtol=0, atol=0)
+    assert ops.backend(x) == ("cpu" if cpu.load() is not None else "reference")
+    assert ops.backend(x.double()) == "reference"  # the C kernels are fp32 only
+    torch.testing.assert_close(ops.silu_and_mul(x), reference.silu_and_mul(x))
     with ops.forced_reference():
         assert ops.backend(x) == "reference"
+        torch.testing.assert_close(ops.silu_and_mul(x), reference.silu_and_mul(x), rtol=0, atol=0)
 
 
 def test_cpu_engine_never_imports_triton() -> None:

@@ -26,6 +26,8 @@ class ForwardBatch:
     # The longest chunk of the step, known on the host: spares the GPU path a device read.
     # None (hand-built batches): the kernel derives it from query_start_loc.
     max_query_len: int | None = None
+    # The longest context of the step (max of seq_lens), known on the host, for the CPU kernels.
+    max_seq_len: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -92,6 +92,7 @@ class ModelRunner:
             num_decodes=schedule.num_decodes,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(dev),
             max_query_len=max(counts),
+            max_seq_len=max(seq_lens),
         )
         return batch, rows
 

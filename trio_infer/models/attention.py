@@ -1,8 +1,9 @@
 """The one attention call site every model layer uses.
 
-Stores the new keys/values of the step into their pages, then attends: the decode sequences in one
-batched call, the extending sequences (prefill chunks) in another. Which implementation runs
-(Triton on CUDA, torch on CPU) is the dispatcher's business, in :mod:`kernels.ops`.
+The step's new keys/values are already in their pages (:func:`kernels.ops.rotary_store`); this
+attends: the decode sequences in one batched call, the extending sequences (prefill chunks) in
+another. Which implementation runs (Triton on CUDA, C or torch on CPU) is the dispatcher's
+business, in :mod:`kernels.ops`.
 """
 
 from __future__ import annotations
@@ -15,19 +16,17 @@ from trio_infer.engine.forward_batch import ForwardBatch
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: ForwardBatch,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, Hq, D], k/v: [T, Hkv, D] for the step's new tokens -> attention output [T, Hq, D]."""
-    ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+    """q: [T, Hq, D] for the step's new tokens -> attention output [T, Hq, D]."""
     nd = batch.num_decodes
     if nd == batch.num_seqs:
-        return ops.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale)
-    out = torch.empty_like(q)
+        return ops.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale,
+                                    batch.max_seq_len)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = ops.decode_attention(
             q[:nd], k_cache, v_cache, batch.page_table[:nd], batch.seq_lens[:nd], scale

@@ -20,7 +20,7 @@ tensor is read, with an error that names it.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 from tqdm import tqdm
+
+from kernels.cpu import BLOCK_BYTES, BLOCK_SIZE, PackedWeight
 
 # GGUF ``general.architecture`` -> the Hugging Face architecture our model implements.
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -178,9 +180,19 @@ class GGUFCheckpoint:
     def num_tensors(self) -> int:
         return sum(1 for t in self._reader.tensors if t.name != ROPE_FREQS_TENSOR)
 
-    def iter_weights(self, desc: str) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensor_formats(self) -> dict[str, str]:
+        """Hugging Face weight name -> its GGUF tensor type name (``"Q4_1"``, ``"F32"``, ...)."""
+        return {gguf_tensor_name(t.name): t.tensor_type.name
+                for t in self._reader.tensors if t.name != ROPE_FREQS_TENSOR}
+
+    def iter_weights(
+        self, desc: str, keep: Container[str] = ()
+    ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
         """Yield ``(hf_name, fp32 tensor)`` for every weight, dequantized one at a time, with a
-        progress bar over tensors. The model's ``load_weights`` casts to the serving dtype."""
+        progress bar over tensors. The model's ``load_weights`` casts to the serving dtype.
+
+        A weight whose Hugging Face name is in ``keep`` comes as a :class:`PackedWeight` of its
+        raw blocks instead (its type must be one the CPU kernels read)."""
         permute = self.gguf_architecture == "llama"
         num_heads = int(self.config.num_attention_heads)
         num_kv_heads = int(self.config.num_key_value_heads)
@@ -189,11 +201,21 @@ class GGUFCheckpoint:
                 if tensor.name == ROPE_FREQS_TENSOR:
                     continue  # folded into the rotary table (see rope_freq_factors)
                 name = gguf_tensor_name(tensor.name)
-                weight = _dequantize(tensor)
+                weight: torch.Tensor | PackedWeight
+                if name in keep:
+                    weight = _blocks(tensor)
+                else:
+                    weight = _dequantize(tensor)
+                heads = 0
                 if permute and ".self_attn.q_proj." in name:
-                    weight = unpermute_qk(weight, num_heads)
+                    heads = num_heads
                 elif permute and ".self_attn.k_proj." in name:
-                    weight = unpermute_qk(weight, num_kv_heads)
+                    heads = num_kv_heads
+                if heads and isinstance(weight, PackedWeight):  # the rows of blocks move
+                    weight = PackedWeight(weight.fmt, unpermute_qk(weight.data, heads).contiguous(),
+                                          weight.in_features)
+                elif heads:
+                    weight = unpermute_qk(weight, heads)
                 yield name, weight
                 progress.update(1)
 
@@ -312,6 +334,17 @@ def _eos_token_ids(fields: dict[str, Any]) -> tuple[int, ...]:
             "tokenizer.ggml.eom_token_id")
     ids = [int(v) for key in keys if (v := _field(fields, key)) is not None]
     return tuple(dict.fromkeys(ids))
+
+
+def _blocks(tensor: Any) -> PackedWeight:
+    """One GGUF tensor's raw blocks, a row of blocks per output feature (no copy of the values
+    beyond making them writable torch memory)."""
+    fmt = tensor.tensor_type.name
+    rows, cols = (int(d) for d in reversed(tensor.shape.tolist()))
+    data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True)).reshape(rows, -1)
+    if data.shape[1] != cols // BLOCK_SIZE * BLOCK_BYTES[fmt]:
+        raise GGUFError(f"{tensor.name}: {fmt} rows of {data.shape[1]} bytes for {cols} columns")
+    return PackedWeight(fmt, data, cols)
 
 
 def _dequantize(tensor: Any) -> torch.Tensor:

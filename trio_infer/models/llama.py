@@ -14,19 +14,23 @@ and no padding; attention is the only place that knows about sequences, through
 The q/k/v projections are fused into one weight and gate/up into another when the checkpoint is
 loaded (two GEMMs fewer per layer). A fused :class:`Linear` remembers the sizes of its parts, so a
 later column-parallel split can cut each part separately instead of the concatenation.
+
+A linear layer (and the embedding) may keep its weight as GGUF blocks (``packed``: module name ->
+ggml format, decided by the loader): a :class:`~kernels.cpu.PackedWeight` read by the CPU
+kernels, 4 or 8 bits a weight instead of 32, with the same fp32 math.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
+from kernels.cpu import PackedWeight
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.models.attention import paged_attention
 from trio_infer.models.base import ModelInfo
@@ -176,11 +180,13 @@ def _param(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> nn
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T + b`` with plain weights, possibly the concatenation of several projections.
+    """``y = x @ W.T + b``, W possibly the concatenation of several projections.
 
     ``output_sizes`` lists the parts of a fused weight (e.g. q, k, v); :meth:`load_part` writes one
     of them. Nothing else is assumed, so a tensor-parallel version only has to slice rows (column
     parallel) or columns (row parallel) of each part and add a collective after ``forward``.
+    With ``fmt`` the weight is kept packed in that GGUF block format (``self.packed``) and
+    ``self.weight`` does not exist.
     """
 
     def __init__(
@@ -190,20 +196,27 @@ class Linear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        fmt: str | None = None,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.output_sizes = tuple(output_sizes)
         out_features = sum(self.output_sizes)
-        self.weight = _param((out_features, in_features), dtype, device)
+        self.packed: PackedWeight | None = None
+        if fmt is None:
+            self.weight = _param((out_features, in_features), dtype, device)
+        else:
+            self.packed = PackedWeight.empty(fmt, out_features, in_features)
         self.bias = _param((out_features,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.packed or self.weight, self.bias)
 
-    def load_part(self, attr: str, part: int, tensor: torch.Tensor) -> None:
+    def load_part(self, attr: str, part: int, tensor: torch.Tensor | PackedWeight) -> None:
         """Copy one projection of a fused weight (or bias) into its rows."""
-        target: torch.Tensor = getattr(self, attr)
+        target: torch.Tensor = _load_target(self, attr, tensor)
+        if isinstance(tensor, PackedWeight):
+            tensor = tensor.data
         start = sum(self.output_sizes[:part])
         rows = target.narrow(0, start, self.output_sizes[part])
         if tuple(rows.shape) != tuple(tensor.shape):
@@ -212,6 +225,20 @@ class Linear(nn.Module):
                 f"expected {tuple(rows.shape)}"
             )
         rows.copy_(tensor)
+
+
+def _load_target(module: nn.Module, attr: str, tensor: torch.Tensor | PackedWeight) -> torch.Tensor:
+    """The tensor a checkpoint tensor is copied into: the parameter, or the packed blocks (which
+    take only blocks of the same format)."""
+    packed = getattr(module, "packed", None)
+    if attr == "weight" and packed is not None:
+        if not isinstance(tensor, PackedWeight) or tensor.fmt != packed.fmt:
+            got = tensor.fmt if isinstance(tensor, PackedWeight) else str(tensor.dtype)
+            raise ValueError(f"weight packed as {packed.fmt}, checkpoint gives {got}")
+        return packed.data
+    if isinstance(tensor, PackedWeight):
+        raise ValueError(f"{attr}: checkpoint gives {tensor.fmt} blocks for a plain parameter")
+    return getattr(module, attr)
 
 
 class RMSNorm(nn.Module):
@@ -229,7 +256,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device,
+        formats: tuple[str | None, str | None] = (None, None),
+    ) -> None:
         super().__init__()
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
@@ -238,9 +268,9 @@ class Attention(nn.Module):
         q_size = spec.num_heads * spec.head_dim
         kv_size = spec.num_kv_heads * spec.head_dim
         self.qkv_proj = Linear(
-            spec.hidden_size, (q_size, kv_size, kv_size), spec.qkv_bias, dtype, device
+            spec.hidden_size, (q_size, kv_size, kv_size), spec.qkv_bias, dtype, device, formats[0]
         )
-        self.o_proj = Linear(q_size, (spec.hidden_size,), spec.o_bias, dtype, device)
+        self.o_proj = Linear(q_size, (spec.hidden_size,), spec.o_bias, dtype, device, formats[1])
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if spec.qk_norm:
@@ -264,27 +294,42 @@ class Attention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary_embedding(q, k, batch.positions, cos_sin_cache)
-        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
+        q, k = ops.rotary_store(q, k, v, batch.positions, cos_sin_cache, k_cache, v_cache,
+                                batch.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, batch, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device,
+        formats: tuple[str | None, str | None] = (None, None),
+    ) -> None:
         super().__init__()
         size = spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, (size, size), spec.mlp_bias, dtype, device)
-        self.down_proj = Linear(size, (spec.hidden_size,), spec.mlp_bias, dtype, device)
+        self.gate_up_proj = Linear(
+            spec.hidden_size, (size, size), spec.mlp_bias, dtype, device, formats[0]
+        )
+        self.down_proj = Linear(size, (spec.hidden_size,), spec.mlp_bias, dtype, device, formats[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device,
+        packed: Mapping[str, str], prefix: str,
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, dtype, device)
-        self.mlp = MLP(spec, dtype, device)
+
+        def fmt(name: str) -> str | None:
+            return packed.get(f"{prefix}.{name}")
+
+        self.self_attn = Attention(
+            spec, dtype, device, (fmt("self_attn.qkv_proj"), fmt("self_attn.o_proj"))
+        )
+        self.mlp = MLP(spec, dtype, device, (fmt("mlp.gate_up_proj"), fmt("mlp.down_proj")))
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
 
@@ -315,21 +360,41 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """The decoder stack; parameter names match the Hugging Face ``model.*`` prefix."""
 
-    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device,
+        packed: Mapping[str, str],
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _param((spec.vocab_size, spec.hidden_size), dtype, device)
+        self.embed_tokens = _table(spec, dtype, device, packed.get("model.embed_tokens"))
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, dtype, device) for _ in range(spec.num_layers)
+            DecoderLayer(spec, dtype, device, packed, f"model.layers.{i}")
+            for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+
+
+def _table(spec: LlamaSpec, dtype: torch.dtype, device: torch.device, fmt: str | None) -> nn.Module:
+    """A [vocab, hidden] table (the embedding, the lm_head): a parameter or packed blocks."""
+    table = nn.Module()
+    table.packed = None
+    if fmt is None:
+        table.weight = _param((spec.vocab_size, spec.hidden_size), dtype, device)
+    else:
+        table.packed = PackedWeight.empty(fmt, spec.vocab_size, spec.hidden_size)
+    return table
+
+
+def _table_weight(table: nn.Module) -> torch.Tensor | PackedWeight:
+    return table.packed if table.packed is not None else table.weight
 
 
 class LlamaForCausalLM(nn.Module):
     """Implements :class:`~trio_infer.models.base.CausalLM` for Llama, Qwen2 and Qwen3.
 
     Build it with :func:`trio_infer.models.loader.load_model`; the constructor only allocates
-    (uninitialised) parameters, :meth:`load_weights` fills them.
+    (uninitialised) parameters, :meth:`load_weights` fills them. ``packed`` maps module names
+    (``model.layers.0.self_attn.qkv_proj``, ``model.embed_tokens``, ``lm_head``) to the GGUF
+    block format their weight stays in; a tied lm_head follows the embedding.
     """
 
     def __init__(
@@ -338,17 +403,21 @@ class LlamaForCausalLM(nn.Module):
         info: ModelInfo,
         cos_sin_cache: torch.Tensor,
         device: torch.device,
+        packed: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
+        packed = packed or {}
         self.spec = spec
         self.info = info
         dtype = info.dtype
-        self.model = LlamaModel(spec, dtype, device)
-        self.lm_head = nn.Module()
+        self.model = LlamaModel(spec, dtype, device, packed)
         if spec.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head = nn.Module()
+            self.lm_head.packed = self.model.embed_tokens.packed
+            if self.lm_head.packed is None:
+                self.lm_head.weight = self.model.embed_tokens.weight
         else:
-            self.lm_head.weight = _param((spec.vocab_size, spec.hidden_size), dtype, device)
+            self.lm_head = _table(spec, dtype, device, packed.get("lm_head"))
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
 
     @torch.inference_mode()
@@ -363,7 +432,7 @@ class LlamaForCausalLM(nn.Module):
         The final norm and the lm_head run only on ``batch.logits_indices``: a prefill of a few
         thousand tokens needs one row of logits, not a [T, vocab] matrix.
         """
-        hidden = F.embedding(batch.input_ids, self.model.embed_tokens.weight)
+        hidden = ops.embedding(batch.input_ids, _table_weight(self.model.embed_tokens))
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
             hidden, residual = layer(
@@ -372,7 +441,7 @@ class LlamaForCausalLM(nn.Module):
         rows = batch.logits_indices
         hidden = hidden[rows]
         hidden = self.model.norm(hidden, residual[rows] if residual is not None else None)[0]
-        return F.linear(hidden, self.lm_head.weight).float()
+        return ops.linear(hidden, _table_weight(self.lm_head)).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -381,7 +450,8 @@ class LlamaForCausalLM(nn.Module):
         Raises ``ValueError`` on a tensor the model has no place for, a shape mismatch, or a
         parameter the checkpoint never provided: a half-loaded model would run and emit garbage.
         """
-        params = dict(self.named_parameters())
+        params: dict[str, Any] = dict(self.named_parameters())
+        params.update(self._packed_weights())
         expected = set(params)
         for name, parts in self._fused_parts().items():
             expected.discard(name)
@@ -407,6 +477,11 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(name)
             if param is None:
                 raise ValueError(f"unexpected checkpoint tensor {name!r}")
+            if isinstance(param, nn.Module):  # a packed weight: its blocks
+                param = _load_target(param, "weight", tensor)
+                tensor = tensor.data if isinstance(tensor, PackedWeight) else tensor
+            elif isinstance(tensor, PackedWeight):
+                raise ValueError(f"{name}: checkpoint gives {tensor.fmt} blocks for a parameter")
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"{name}: checkpoint shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
@@ -417,6 +492,18 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint lacks {len(missing)} tensors: {shown}")
+
+    def _packed_weights(self) -> dict[str, nn.Module]:
+        """``"<module>.weight"`` -> module, for every module whose weight is packed (they have no
+        weight parameter; a tied lm_head is the embedding's and is not listed)."""
+        out = {}
+        for name, module in self.named_modules():
+            if getattr(module, "packed", None) is None:
+                continue
+            if name == "lm_head" and self.spec.tie_word_embeddings:
+                continue
+            out[f"{name}.weight"] = module
+        return out
 
     def _fused_parts(self) -> dict[str, int]:
         """Fused parameter name -> number of checkpoint tensors that fill it."""

@@ -84,11 +84,15 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     served_name: str | None = None,
+    keep_blocks: bool | None = None,
 ) -> CausalLM:
     """Build the model of the checkpoint at ``path`` on ``device`` and load its weights.
 
     ``path`` is a Hugging Face folder or a GGUF file (or a folder holding one; see
-    :func:`~trio_infer.models.gguf_loader.find_gguf`); GGUF weights are dequantized to ``dtype``.
+    :func:`~trio_infer.models.gguf_loader.find_gguf`). GGUF weights in a block format the CPU
+    kernels read (Q4_0, Q4_1, Q8_0) stay in it when ``keep_blocks`` is true, or is None and
+    :func:`packing_possible` says they can run here; every other GGUF weight is dequantized to
+    ``dtype``.
     ``dtype`` defaults to :func:`default_dtype`. The served name is ``served_name``, else the
     folder's ``served_name`` file, else the hub id for a folder inside the Hugging Face cache, else
     the folder name, or for a GGUF file its known name or file stem (see
@@ -107,13 +111,29 @@ def load_model(
         architecture, config = checkpoint.architecture, checkpoint.config
         eos_ids = checkpoint.eos_token_ids
         freq_factors = checkpoint.rope_freq_factors
-        weights = checkpoint.iter_weights
+        if keep_blocks is None:
+            keep_blocks = packing_possible(device, dtype)
+        elif keep_blocks and not packing_possible(device, dtype):
+            raise ValueError(
+                "GGUF blocks can be kept only on the CPU, in float32, where the CPU kernels "
+                "build (gcc, AVX2); use the dequantized weights instead"
+            )
     else:
         architecture = _architecture(path)
         config = AutoConfig.from_pretrained(str(path))
         eos_ids = eos_token_ids(path, config)
         weights = partial(_iter_safetensors, path)
     spec = LlamaSpec.from_config(config, architecture)
+    packed: dict[str, str] = {}
+    if gguf_file is not None:
+        if keep_blocks:
+            packed = packed_modules(checkpoint.tensor_formats(), spec.tie_word_embeddings)
+        kept = set()
+        for module in packed:
+            parent, _, leaf = module.rpartition(".")
+            parts = _FUSED_FROM.get(leaf)
+            kept |= {f"{parent}.{p}.weight" for p in parts} if parts else {f"{module}.weight"}
+        weights = partial(checkpoint.iter_weights, keep=kept)
     info = ModelInfo(
         name=served_name or default_served_name(path),
         architecture=architecture,
@@ -128,9 +148,48 @@ def load_model(
     cos_sin_cache = build_cos_sin_cache(
         config, spec.head_dim, spec.max_position_embeddings, device, freq_factors
     )
-    model = LlamaForCausalLM(spec, info, cos_sin_cache, device)
+    model = LlamaForCausalLM(spec, info, cos_sin_cache, device, packed)
     model.load_weights(weights(f"Loading {info.name}"))
     return model.eval()
+
+
+# A fused module of LlamaForCausalLM -> the checkpoint projections it is made of.
+_FUSED_FROM = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def packing_possible(device: str | torch.device, dtype: torch.dtype) -> bool:
+    """True where packed GGUF blocks can be served: CPU, fp32 activations, C kernels built."""
+    from kernels import cpu
+
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and cpu.load() is not None
+
+
+def packed_modules(formats: dict[str, str], tied: bool) -> dict[str, str]:
+    """Module name -> block format, for each linear layer (and the embedding, the lm_head) whose
+    checkpoint weights are all in one format the CPU kernels read. ``formats``: weight name ->
+    GGUF type, as :meth:`GGUFCheckpoint.tensor_formats` gives it."""
+    from kernels.cpu import FORMATS
+
+    out: dict[str, str] = {}
+    modules: dict[str, list[str]] = {}
+    for name in formats:
+        if not name.endswith(".weight"):
+            continue
+        module = name.removesuffix(".weight")
+        parent, _, proj = module.rpartition(".")
+        fused = next((f for f, parts in _FUSED_FROM.items() if proj in parts), None)
+        modules.setdefault(f"{parent}.{fused}" if fused else module, []).append(formats[name])
+    for module, kinds in modules.items():
+        leaf = module.rpartition(".")[2]
+        if leaf.endswith("_proj") or module in ("model.embed_tokens", "lm_head"):
+            if len(set(kinds)) == 1 and kinds[0] in FORMATS:
+                out[module] = kinds[0]
+    if tied:
+        out.pop("lm_head", None)
+    return out
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
