@@ -22,12 +22,12 @@ $(STAMP): pyproject.toml
 $(DEFAULT_MODEL): | $(STAMP)
 	$(PY) -m trio_infer.models.default_model --cache-dir "$(TRIO_INFER_CACHE_DIR)"
 
-# OMP_WAIT_POLICY must be in the environment before torch loads (see docs/architecture.md).
 # `python -m trio_infer serve` runs hypercorn in-process: graceful SIGTERM/SIGINT (README), and a
 # listen backlog for bursts of connections; `hypercorn trio_infer.app:app --worker-class trio`
-# serves the same app.
+# serves the same app. The batching worker's threads and OpenMP wait policy are settings
+# (--torch-threads, --omp-wait-policy; see docs/kernels.md), not this environment.
 serve: venv
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m trio_infer serve --host 127.0.0.1 --port 8000
+	$(PY) -m trio_infer serve --host 127.0.0.1 --port 8000
 
 # The chat page's tests (tests/browser) drive headless Chromium through chromedriver. Installed
 # with apt-get when missing, if apt-get exists and we are root (apt-get update only if the first

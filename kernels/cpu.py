@@ -113,13 +113,18 @@ class PackedWeight:
     fmt: str
     data: torch.Tensor
     in_features: int
+    # Decode-sized products (1-3 rows of x) round x to int16 per 32-block first and multiply in
+    # integers: ~1.3x faster there, not exact (the tolerance is in docs/kernels.md).
+    int16_activations: bool = False
 
     @classmethod
-    def empty(cls, fmt: str, out_features: int, in_features: int) -> PackedWeight:
+    def empty(cls, fmt: str, out_features: int, in_features: int,
+              int16_activations: bool = False) -> PackedWeight:
         if fmt not in FORMATS or in_features % BLOCK_SIZE:
             raise ValueError(f"cannot pack a [{out_features}, {in_features}] {fmt} weight")
         row = in_features // BLOCK_SIZE * BLOCK_BYTES[fmt]
-        return cls(fmt, torch.empty(out_features, row, dtype=torch.uint8), in_features)
+        return cls(fmt, torch.empty(out_features, row, dtype=torch.uint8), in_features,
+                   int16_activations)
 
     @property
     def out_features(self) -> int:
@@ -147,7 +152,7 @@ class CpuKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
         sig = {
-            "tri_linear": (_I, [_I, _P, _I, _I, _P, _SZ, _I, _P, _P, _I]),
+            "tri_linear": (_I, [_I, _P, _I, _I, _P, _SZ, _I, _P, _P, _I, _I]),
             "tri_dequant_rows": (None, [_I, _P, _SZ, _P, _I, _I, _P]),
             "tri_rms_norm": (None, [_P, _P, _P, _P, _I, _I, _F, _P, _I]),
             "tri_silu_and_mul": (None, [_P, _I, _I, _P, _I]),
@@ -168,7 +173,7 @@ class CpuKernels:
         row_bytes = w.data.stride(0) * w.data.element_size()
         rc = self._lib.tri_linear(FORMATS[w.fmt], x.data_ptr(), m, w.in_features,
                                   w.data.data_ptr(), row_bytes, w.out_features, _ptr(bias),
-                                  y.data_ptr(), threads)
+                                  y.data_ptr(), int(w.int16_activations), threads)
         if rc != 0:
             raise ValueError(f"tri_linear rejected {w.fmt} [{w.out_features}, {w.in_features}]")
         return y

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -48,6 +49,25 @@ class Settings(BaseSettings):
     )
     torch_threads: int = Field(
         0, ge=0, description="torch intra-op threads; 0 = leave one core to the event loop."
+    )
+    omp_wait_policy: Literal["passive", "active", "inherit"] = Field(
+        "passive",
+        description="OpenMP wait policy of the batching worker's threads between parallel "
+        "regions (torch and the CPU kernels): 'passive' sleeps (right when the cores are shared "
+        "with the front end or anything else), 'active' spins (fastest on cores the worker has "
+        "to itself, collapses when they are shared), 'inherit' keeps OMP_WAIT_POLICY.",
+    )
+    keep_gguf_blocks: bool = Field(
+        True,
+        description="GGUF weights in Q4_0, Q4_1 or Q8_0 stay in their blocks (4-8 bits a "
+        "weight, read by the CPU kernels with fp32 math) where those kernels run (CPU, float32); "
+        "false: dequantized to dtype at load, as every other GGUF type is.",
+    )
+    int16_activations: bool = Field(
+        False,
+        description="With kept GGUF blocks: decode-sized matrix products round activations to "
+        "int16 per 32 values and multiply in integers (faster at batch 1-3, not exact: see "
+        "docs/kernels.md for its measured tolerance).",
     )
 
     worker_max_restarts: int = Field(
@@ -120,3 +140,12 @@ class Settings(BaseSettings):
         if self.max_batched_tokens < self.max_running:
             raise ValueError("max_batched_tokens must be >= max_running")
         return self
+
+
+def worker_environment(settings: Settings) -> dict[str, str]:
+    """The environment of a batching worker process: ours, with the OpenMP wait policy the
+    settings choose (read once, when torch loads in the worker, so it cannot be set later)."""
+    env = dict(os.environ)
+    if settings.omp_wait_policy != "inherit":
+        env["OMP_WAIT_POLICY"] = settings.omp_wait_policy.upper()
+    return env

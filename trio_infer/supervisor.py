@@ -30,7 +30,7 @@ from typing import Callable
 import trio
 
 from trio_infer.runtime.protocol import Fatal, FrameDecoder, FromWorker
-from trio_infer.settings import Settings
+from trio_infer.settings import Settings, worker_environment
 
 log = logging.getLogger("trio_infer.supervisor")
 
@@ -147,6 +147,7 @@ async def _one_worker(settings: Settings, address: str, ports: int) -> bool:
             [sys.executable, "-m", "trio_infer.runtime.worker", "--fd", str(theirs.fileno()),
              "--listen", address, "--ports", str(ports)],
             pass_fds=(theirs.fileno(),),
+            env=worker_environment(settings),
         )
     finally:
         theirs.close()

@@ -42,6 +42,22 @@ def test_linear_matches_dequantized_matmul(fmt: str, rows: int, bias: bool) -> N
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_linear_with_int16_activations_is_close(fmt: str, rows: int) -> None:
+    """1-3 rows take the int16 kernel (x rounded per 32-block: relative error ~5e-5); from 4
+    rows on the exact kernel runs whatever the flag."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(64, 128, generator=g) * 0.05
+    packed, dense = pack(w, fmt)
+    packed = PackedWeight(packed.fmt, packed.data, packed.in_features, int16_activations=True)
+    x = torch.randn(rows, 128, generator=g)
+    want = (x.double() @ dense.double().T).float()
+    got = ops.linear(x, packed)
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < (2e-4 if rows < 4 else 1e-6), err
+
+
 def test_linear_refuses_what_it_cannot_run() -> None:
     packed, _ = pack(torch.randn(8, 32), "Q8_0")
     with pytest.raises(ValueError, match="Q8_0 weight needs"):

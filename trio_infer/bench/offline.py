@@ -29,7 +29,7 @@ from typing import Any
 from trio_infer.bench import stats
 from trio_infer.bench.workload import BenchRequest, make_workload, parse_range
 
-BASELINES = ("hf-sequential", "hf-static", "no-prefix-cache")
+BASELINES = ("hf-sequential", "hf-static", "no-prefix-cache", "llama.cpp")
 # --model names for the server's default model (SmolLM2-135M-Instruct, Q4_1 GGUF).
 DEFAULT_MODEL_ALIASES = ("default", "smollm2", "smollm2-135m-instruct")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -75,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", action="append", choices=BASELINES, default=[],
                    help="also run this system on the same workload (repeatable)")
     p.add_argument("--baseline-batch", type=int, default=8, help="batch size of hf-static")
+    p.add_argument("--llamacpp-threads", type=int, default=0,
+                   help="threads of the llama.cpp baseline (a GGUF --model only; needs the "
+                   "bench-llamacpp extra); 0 = the same as ours")
+    p.add_argument("--llamacpp-slots", type=int, default=0,
+                   help="sequence slots of the llama.cpp baseline; 0 = our max_running")
     p.add_argument("--profile", action="store_true",
                    help="instead of the workload: decode step time at --profile-batch next to "
                    "the memory-bandwidth and GEMM-throughput bounds measured on this machine")
@@ -315,6 +320,12 @@ def main(args: argparse.Namespace) -> int:
         )
     threads = set_threads(args)
     path = resolve_checkpoint(args)
+    if "llama.cpp" in args.baseline:
+        from trio_infer.bench import llamacpp
+
+        if not is_gguf(path):
+            raise SystemExit("error: --baseline llama.cpp needs a GGUF --model (it runs that file)")
+        llamacpp.require()
     if args.profile:
         from trio_infer.bench.profile import run_profile
 
@@ -359,6 +370,15 @@ def main(args: argparse.Namespace) -> int:
             engine = build_engine(path, args, workload, False)
             results[name] = run_engine(engine, workload, args.ignore_eos)
             del engine
+        elif name == "llama.cpp":
+            from trio_infer.bench import llamacpp
+
+            load_before = _loadavg()
+            results[name] = llamacpp.run_workload(
+                path, args.llamacpp_threads or threads, workload,
+                args.llamacpp_slots or config["max_running"], config["max_batched_tokens"],
+                args.ignore_eos,
+            )
         else:
             from trio_infer.bench.baselines import load_hf, run_hf
 

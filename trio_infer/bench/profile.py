@@ -74,6 +74,16 @@ def model_footprint(model: Any) -> dict[str, int]:
     tied = embed is not None and lm_head is not None and embed is lm_head
     read_bytes = 0
     gemm_elems = 0
+    counted: set[int] = set()
+    for name, mod in model.named_modules():  # weights kept as GGUF blocks (no parameter)
+        packed = getattr(mod, "packed", None)
+        if packed is None or id(packed) in counted:
+            continue  # a tied lm_head is the embedding's blocks: counted once
+        counted.add(id(packed))
+        if name.endswith("embed_tokens") and not _packed_tied(model):
+            continue  # a lookup reads one row per token
+        read_bytes += packed.nbytes
+        gemm_elems += packed.out_features * packed.in_features
     seen: set[int] = set()
     tensors = list(model.named_parameters())
     if isinstance(model, nn.Module):
@@ -88,6 +98,14 @@ def model_footprint(model: Any) -> dict[str, int]:
         if p.dim() == 2:
             gemm_elems += p.numel()
     return {"weight_bytes": read_bytes, "gemm_weight_elems": gemm_elems, "tied": int(tied)}
+
+
+def _packed_tied(model: Any) -> bool:
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return (lm_head is not None and embed is not None
+            and getattr(lm_head, "packed", None) is not None
+            and lm_head.packed is getattr(embed, "packed", None))
 
 
 def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
@@ -175,6 +193,13 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
 
         print("transformers: timing its decode step ...", flush=True)
         hf_step = hf_decode_step_s(path, args.dtype, prompts, steps)
+    lc_step = None
+    if "llama.cpp" in args.baseline:
+        from trio_infer.bench import llamacpp
+
+        lc_threads = args.llamacpp_threads or threads
+        print(f"llama.cpp: timing its decode step ({lc_threads} threads) ...", flush=True)
+        lc_step = statistics.median(llamacpp.decode_profile(path, lc_threads, batch, prompts, steps))
 
     print(
         f"\ndecode at batch {batch}, context {ctx}..{ctx + max(made.values()) + warm_steps + steps}"
@@ -196,6 +221,9 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
     ]
     if hf_step is not None:
         rows.append(["transformers step", hf_step * 1e3, hf_step / bw_bound, "ratio vs weights bound"])
+    if lc_step is not None:
+        rows.append(["llama.cpp step (its own file)", lc_step * 1e3, lc_step / bw_bound,
+                     f"ours/llama.cpp tok/s: {lc_step / achieved:.2f}x"])
     stats.print_table(["", "ms", "achieved/bound", "from"],
                       [[a, b, c if c is not None else "", d] for a, b, c, d in rows])
     if args.output_json:
@@ -214,11 +242,17 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
                 "bandwidth_kv_bound_ms": bw_kv_bound * 1e3,
                 "gemm_bound_ms": gemm_bound * 1e3,
             },
-            "baselines": {"transformers": {"step_ms": hf_step * 1e3}} if hf_step else {},
+            "baselines": {
+                **({"transformers": {"step_ms": hf_step * 1e3}} if hf_step else {}),
+                **({"llama.cpp": {"step_ms": lc_step * 1e3,
+                                  "threads": args.llamacpp_threads or threads}}
+                   if lc_step else {}),
+            },
             "ratios": {
                 "achieved_over_bandwidth_bound": achieved / bw_bound,
                 "achieved_over_gemm_bound": achieved / gemm_bound,
                 **({"transformers_over_bandwidth_bound": hf_step / bw_bound} if hf_step else {}),
+                **({"ours_over_llamacpp_tok_s": lc_step / achieved} if lc_step else {}),
             },
             "config": {"model": str(path), "dtype": args.dtype, "threads": threads,
                        "batch": batch, "context": ctx, "steps": steps},

@@ -23,6 +23,7 @@ kernels, 4 or 8 bits a weight instead of 32, with the same fp32 math.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -404,6 +405,7 @@ class LlamaForCausalLM(nn.Module):
         cos_sin_cache: torch.Tensor,
         device: torch.device,
         packed: Mapping[str, str] | None = None,
+        int16_activations: bool = False,
     ) -> None:
         super().__init__()
         packed = packed or {}
@@ -418,6 +420,12 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = self.model.embed_tokens.weight
         else:
             self.lm_head = _table(spec, dtype, device, packed.get("lm_head"))
+        if int16_activations:
+            for module in self.modules():
+                if getattr(module, "packed", None) is not None:
+                    module.packed = dataclasses.replace(module.packed, int16_activations=True)
+            if spec.tie_word_embeddings and self.lm_head.packed is not None:
+                self.lm_head.packed = self.model.embed_tokens.packed
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
 
     @torch.inference_mode()

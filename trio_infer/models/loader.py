@@ -85,6 +85,7 @@ def load_model(
     device: str | torch.device = "cpu",
     served_name: str | None = None,
     keep_blocks: bool | None = None,
+    int16_activations: bool = False,
 ) -> CausalLM:
     """Build the model of the checkpoint at ``path`` on ``device`` and load its weights.
 
@@ -92,7 +93,8 @@ def load_model(
     :func:`~trio_infer.models.gguf_loader.find_gguf`). GGUF weights in a block format the CPU
     kernels read (Q4_0, Q4_1, Q8_0) stay in it when ``keep_blocks`` is true, or is None and
     :func:`packing_possible` says they can run here; every other GGUF weight is dequantized to
-    ``dtype``.
+    ``dtype``. ``int16_activations`` makes kept blocks take the int16-activation kernels at decode
+    (see :class:`~kernels.cpu.PackedWeight`).
     ``dtype`` defaults to :func:`default_dtype`. The served name is ``served_name``, else the
     folder's ``served_name`` file, else the hub id for a folder inside the Hugging Face cache, else
     the folder name, or for a GGUF file its known name or file stem (see
@@ -148,7 +150,7 @@ def load_model(
     cos_sin_cache = build_cos_sin_cache(
         config, spec.head_dim, spec.max_position_embeddings, device, freq_factors
     )
-    model = LlamaForCausalLM(spec, info, cos_sin_cache, device, packed)
+    model = LlamaForCausalLM(spec, info, cos_sin_cache, device, packed, int16_activations)
     model.load_weights(weights(f"Loading {info.name}"))
     return model.eval()
 

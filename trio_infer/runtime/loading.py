@@ -72,5 +72,7 @@ def build_engine(settings: Settings) -> Engine:
 
     path = resolve_model_path(settings.model, settings.cache_dir)
     dtype = None if settings.dtype == "auto" else _DTYPES[settings.dtype]
-    model = load_model(path, dtype=dtype, device=device, served_name=settings.served_model_name)
+    model = load_model(path, dtype=dtype, device=device, served_name=settings.served_model_name,
+                       keep_blocks=None if settings.keep_gguf_blocks else False,
+                       int16_activations=settings.int16_activations)
     return Engine(model, config, device=device)

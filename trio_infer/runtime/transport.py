@@ -21,7 +21,7 @@ import trio
 
 from trio_infer.engine.engine import Engine
 from trio_infer.runtime.worker import WorkerCore
-from trio_infer.settings import Settings
+from trio_infer.settings import Settings, worker_environment
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ async def open_worker_process(settings: Settings) -> AsyncIterator[Connection]:
         process = await trio.lowlevel.open_process(
             [sys.executable, "-m", "trio_infer.runtime.worker", "--fd", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
+            env=worker_environment(settings),
         )
     except BaseException:
         ours.close()
