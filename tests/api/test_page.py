@@ -57,6 +57,8 @@ async def test_status_reports_health_gauges_and_counters(tokenizer) -> None:
         assert after["tokens"] == {"prompt": usage["prompt_tokens"], "generated": 5}
         assert after["requests"] == {"running": 0, "waiting": 0, "sessions": 0}
         assert after["time"] >= before["time"]
+        # The finished request left no task behind (the test client runs in the app's trio run).
+        assert after["tasks"] == before["tasks"] > 1
         # While the server drains, the page hears why it is unhealthy (from /health's logic).
         app.extensions["trio_infer"].engine.begin_drain()
         drained = await (await client.get("/v1/status")).get_json()

@@ -1,6 +1,7 @@
 """Soak: a real ``python -m trio_infer serve --model fake`` process under a mix of clients that
 finish, disconnect mid-stream, time out mid-request, read slowly, send bad input or half a
-request; then every gauge must be back to 0 and the processes' memory within bounds.
+request; then every gauge must be back to 0, the front end's trio tasks and both processes' file
+descriptors back to where they were, and the processes' memory within bounds.
 
 The fast variant (what ``make test`` runs) sends 240 requests, 16 at a time (~20 s);
 ``TRIO_INFER_SOAK_REQUESTS=10000 TRIO_INFER_SOAK_CONCURRENCY=256 TRIO_INFER_SOAK_KEEP_ALIVE_S=30``
@@ -129,6 +130,7 @@ async def test_soak_then_every_gauge_back_to_zero(server) -> None:  # type: igno
     rng = random.Random(1234)
     tally: dict[str, int] = {}
     fds = {pid: num_fds(pid) for pid in (proc.pid, worker)}  # no client connection yet
+    tasks = status(url)["tasks"]  # the front end's trio tasks, this status request's included
     limits = httpx.Limits(max_connections=CONCURRENCY * 2)
     async with httpx.AsyncClient(timeout=30, limits=limits) as client:
         for _ in range(20):  # warm-up: the first requests allocate what stays
@@ -160,8 +162,11 @@ async def test_soak_then_every_gauge_back_to_zero(server) -> None:  # type: igno
     await trio.to_thread.run_sync(lambda: wait_for(
         lambda: all(num_fds(pid) <= fds[pid] for pid in fds), 10 + float(KEEP_ALIVE_S),
         "file descriptors back"))
+    # No task left behind: measured the same way (one status request on its own connection).
+    await trio.to_thread.run_sync(lambda: wait_for(
+        lambda: status(url)["tasks"] <= tasks, 10, "the front end's tasks back"))
     print(f"soak: {REQUESTS} requests in {took:.1f} s, {tally}, RSS MB after warm-up {base}, "
-          f"growth MB {grown}, file descriptors {fds}")
+          f"growth MB {grown}, file descriptors {fds}, front-end tasks {tasks}")
     assert all(g < RSS_GROWTH_MB and g < 0.1 * base[pid] for pid, g in grown.items()), grown
     assert set(tally) == set(KINDS)
     assert health(url) == 200

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import trio
 from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Quart, Response, g, make_response, request
@@ -103,9 +104,22 @@ def health_problem(state: ServerState) -> str | None:
     return None
 
 
+def live_tasks() -> int:
+    """Tasks alive in this process's trio run (the root task and every task of every nursery
+    under it): what a request, a connection or a background loop left behind shows up here."""
+    count = 0
+    stack = [trio.lowlevel.current_root_task()]
+    while stack:
+        task = stack.pop()
+        count += 1
+        for nursery in task.child_nurseries:
+            stack.extend(nursery.child_tasks)
+    return count
+
+
 def status_body(state: ServerState) -> dict[str, Any]:
-    """What ``GET /v1/status`` answers: health, the engine's gauges and the token counters (a
-    client derives rates from two readings and their ``time``)."""
+    """What ``GET /v1/status`` answers: health, the engine's gauges, the token counters (a
+    client derives rates from two readings and their ``time``) and the front end's live tasks."""
     values = state.metrics.snapshot()
     count = lambda name: int(values.get("trio_infer_" + name, 0))  # noqa: E731
     problem = health_problem(state)
@@ -128,6 +142,7 @@ def status_body(state: ServerState) -> dict[str, Any]:
             "prompt": count("prompt_tokens_total"),
             "generated": count("generation_tokens_total"),
         },
+        "tasks": live_tasks(),
     }
 
 

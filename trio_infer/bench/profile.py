@@ -20,6 +20,7 @@ forward and sampling, commit: everything ``Engine.step`` does), split into its t
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -203,8 +204,10 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
 
     print(
         f"\ndecode at batch {batch}, context {ctx}..{ctx + max(made.values()) + warm_steps + steps}"
-        f" (mean {avg_ctx:.0f}), {args.dtype}, "
-        f"{threads} torch threads; model {path}"
+        f" (mean {avg_ctx:.0f}), {args.dtype}"
+        f"{', GGUF blocks dequantized' if args.no_gguf_blocks else ''}"
+        f"{', int16 activations' if args.int16_activations else ''}, {threads} torch threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}; model {path}"
     )
     rows = [
         ["ours: achieved step (median)", achieved * 1e3, 1.0, ""],
