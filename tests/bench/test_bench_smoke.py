@@ -100,6 +100,36 @@ def test_offline_gguf_default_model(tmp_path: Path) -> None:
     assert all(b["output_tokens"] == wanted for b in data["baselines"].values())
 
 
+def test_offline_llamacpp_baseline(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    """``--baseline llama.cpp`` runs the same GGUF file in llama.cpp (the optional bench extra),
+    in the workload and in --profile; a non-GGUF model is refused with a clear error."""
+    from trio_infer.bench import llamacpp
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "trio_infer.bench", "offline", "--model", str(tiny_checkpoint),
+         "--baseline", "llama.cpp"], env=ENV, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0 and "needs a GGUF --model" in proc.stderr
+    if not llamacpp.available():
+        pytest.skip("llama-cpp-python is not installed (pip install '.[bench-llamacpp]')")
+    if not SMOLLM2.is_file():
+        pytest.skip("the default model is not fetched (make venv)")
+    out = tmp_path / "llamacpp.json"
+    text = bench(
+        "offline", "--model", "smollm2", "--threads", "1", "--num-prompts", "3",
+        "--input-len", "8:40", "--output-len", "2:5", "--ignore-eos", "--max-batched-tokens", "32",
+        "--baseline", "llama.cpp", "--output-json", str(out), timeout=300,
+    )
+    assert "llama.cpp" in text
+    data = json.loads(out.read_text())
+    # Chunked prompts (32-token steps), slots reused: every request got exactly its tokens.
+    assert data["baselines"]["llama.cpp"]["output_tokens"] == data["ours"]["output_tokens"]
+    text = bench("offline", "--model", "smollm2", "--threads", "1", "--profile",
+                 "--profile-batch", "2", "--profile-context", "16", "--profile-steps", "3",
+                 "--baseline", "llama.cpp", timeout=300)
+    assert "llama.cpp step" in text and "ours/llama.cpp tok/s" in text
+
+
 @pytest.fixture
 def fake_server(tmp_path: Path):
     """Our server over the instant fake model on a free loopback port; yields its base URL."""
