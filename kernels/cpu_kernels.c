@@ -377,7 +377,7 @@ void tri_rope_store(float *q, int q_stride, float *k, int k_stride, const float 
  * page_table: [B, max_pages]; seq_lens: [B]; out: [B, Hq, D]; D a multiple of 8.
  * One work item per sequence: its pages are read in address order, every KV head of a token
  * together (they are adjacent), and a head's keys and values stay in L2 for its G = Hq / Hkv
- * query heads. Scores are exact (two passes: max, then exp and sums), as torch's SDPA. */
+ * query heads; with fewer than two sequences per thread, one per (sequence, query head). Scores are exact (two passes: max, then exp and sums), as torch's SDPA. */
 static void attend_one(const float *qr, const float *k_cache, const float *v_cache,
                        const int64_t *pages, int L, int kh, int Hkv, int D, int S, float scale,
                        float *scores, float *o) {
@@ -422,15 +422,18 @@ void tri_decode_attention(const float *q, int q_stride, const float *k_cache,
                           const int64_t *seq_lens, int B, int Hq, int Hkv, int D, int S,
                           float scale, float *out, int max_len, int nthreads) {
     const int G = Hq / Hkv;
-    /* One sequence has too little work to share; several are spread over the threads. */
-    #pragma omp parallel num_threads(B > 1 ? nthreads : 1)
+    /* Enough sequences: one work item each. Fewer than two per thread: one per (sequence, head). */
+    const int per_head = B < 2 * nthreads;
+    const int items = per_head ? B * Hq : B;
+    #pragma omp parallel num_threads(nthreads)
     {
         float *scores = malloc((size_t)max_len * sizeof(float));
         #pragma omp for schedule(dynamic)
-        for (int b = 0; b < B; b++) {
+        for (int i = 0; i < items; i++) {
+            const int b = per_head ? i / Hq : i;
             const int L = (int)seq_lens[b];
             const int64_t *pages = page_table + (size_t)b * max_pages;
-            for (int h = 0; h < Hq; h++)
+            for (int h = per_head ? i % Hq : 0; h < (per_head ? i % Hq + 1 : Hq); h++)
                 attend_one(q + (size_t)b * q_stride + (size_t)h * D, k_cache, v_cache, pages, L,
                            h / G, Hkv, D, S, scale, scores, out + ((size_t)b * Hq + h) * D);
         }
