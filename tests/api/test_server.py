@@ -62,17 +62,21 @@ class Server:
             time.sleep(0.02)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def start_server(
+    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, extra_env: dict[str, str] | None = None
+) -> Iterator[Server]:
+    """A hypercorn server process on ``checkpoint`` (a generator for module fixtures: it yields
+    the running server, then stops it gracefully and checks its log holds no traceback)."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {
         **os.environ,
-        "TRIO_INFER_MODEL": str(tiny_checkpoint),
+        "TRIO_INFER_MODEL": str(checkpoint),
         "TRIO_INFER_CACHE_DIR": str(tmp_path_factory.mktemp("cache")),
         "TRIO_INFER_TORCH_THREADS": "1",
         "TRIO_INFER_MAX_BODY_BYTES": str(MAX_BODY),
         "TRIO_INFER_MAX_N": "4",
+        **(extra_env or {}),
     }
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -101,6 +105,11 @@ def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         proc.kill()
         raise
     assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from start_server(tiny_checkpoint, tmp_path_factory)
 
 
 @pytest.fixture

@@ -135,20 +135,29 @@ def _head(plan: Plan, obj: str) -> dict[str, Any]:
     return {"id": plan.id, "object": obj, "created": plan.created, "model": plan.model}
 
 
+def chat_message(plan: Plan, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """A choice's message and finish reason: with tools, the calls parsed out of the text
+    (``finish_reason`` "tool_calls" when the model ended on calls)."""
+    if plan.tools is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    parsed = plan.tools.parse(text)
+    if not parsed.tool_calls:
+        return {"role": "assistant", "content": parsed.content}, finish_reason
+    message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 def chat_response(plan: Plan, choices: Sequence[ChoiceText], texts: TokenText) -> dict[str, Any]:
-    return {
-        **_head(plan, "chat.completion"),
-        "choices": [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c.logprobs, texts) if plan.logprobs is not None else None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ],
-        "usage": usage(plan, choices),
-    }
+    out = []
+    for c in choices:
+        message, finish = chat_message(plan, c.text, c.finish_reason)
+        out.append({
+            "index": c.index,
+            "message": message,
+            "logprobs": chat_logprobs(c.logprobs, texts) if plan.logprobs is not None else None,
+            "finish_reason": finish,
+        })
+    return {**_head(plan, "chat.completion"), "choices": out, "usage": usage(plan, choices)}
 
 
 def _echo_logprobs(plan: Plan, index: int, prompt_lps: Sequence[TokenLogprob | None] | None):  # type: ignore[no-untyped-def]
@@ -180,6 +189,11 @@ class ChunkWriter:
     only the text is JSON-encoded per chunk (with the encoder ``json.dumps(ensure_ascii=False)``
     uses, so the bytes are exactly what :func:`sse.event` of the equivalent object gives). Chunks
     with logprobs, and the rare ones, go through the generic ``sse.event``.
+
+    A request that may call tools is held back: its text is only known to be a call or an answer
+    once it is complete (a ``json``-style answer is a JSON object either way), so each choice is
+    written when it finishes, as OpenAI streams calls: per call, a chunk with its index, id and
+    name (arguments ""), then the arguments in pieces; the finish reason after.
     """
 
     def __init__(self, plan: Plan, texts: TokenText) -> None:
@@ -196,6 +210,8 @@ class ChunkWriter:
         head = sse.dumps(self._head)
         self._prefix = 'data: ' + head[:-1] + ',"choices":[{"index":'
         self._want_lp = plan.logprobs is not None
+        # With tools: each choice's text until it finishes (see above); None otherwise.
+        self._held: dict[int, list[str]] | None = {} if plan.tools is not None else None
 
     def first(self) -> list[str]:
         """Chat: the role chunk of each choice. Completions: the echoed prompt, if any (with
@@ -215,6 +231,8 @@ class ChunkWriter:
 
     def delta(self, delta: ChoiceDelta) -> str | None:
         """The event for one choice's delta, or None when there is nothing to say yet."""
+        if self._held is not None:
+            return self._tool_delta(self._held, delta)
         index = delta.index
         text = delta.text
         finish = delta.finish_reason
@@ -232,6 +250,26 @@ class ChunkWriter:
             body = ',"text":' + sse.encode_str(text) + ',"logprobs":null,"finish_reason":'
         end = "null}]}\n\n" if finish is None else sse.encode_str(finish) + "}]}\n\n"
         return self._prefix + str(index) + body + end
+
+    def _tool_delta(self, held: dict[int, list[str]], delta: ChoiceDelta) -> str | None:
+        held.setdefault(delta.index, []).append(delta.text)
+        if delta.finish_reason is None:
+            return None
+        text = "".join(held.pop(delta.index))
+        message, finish = chat_message(self.plan, text, delta.finish_reason)
+        events = []
+        if message["content"]:
+            events.append(self._chunk(delta.index, {"delta": {"content": message["content"]}, "logprobs": None}))
+        for k, call in enumerate(message.get("tool_calls", ())):
+            fn = call["function"]
+            events.append(self._chunk(delta.index, {"delta": {"tool_calls": [
+                {"index": k, "id": call["id"], "type": "function",
+                 "function": {"name": fn["name"], "arguments": ""}}]}, "logprobs": None}))
+            for piece in _pieces(fn["arguments"]):
+                events.append(self._chunk(delta.index, {"delta": {"tool_calls": [
+                    {"index": k, "function": {"arguments": piece}}]}, "logprobs": None}))
+        events.append(self._chunk(delta.index, {"delta": {}, "logprobs": None}, finish))
+        return "".join(sse.event(e) for e in events)
 
     def _delta_object(self, index: int, delta: ChoiceDelta) -> dict[str, Any]:
         want_lp = self._want_lp
@@ -259,3 +297,8 @@ class ChunkWriter:
 
     def _chunk(self, index: int, body: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return {**self._head, "choices": [{"index": index, **body, "finish_reason": finish}]}
+
+
+def _pieces(text: str, size: int = 32) -> list[str]:
+    """A call's arguments in pieces, as OpenAI streams them (the client joins them)."""
+    return [text[i : i + size] for i in range(0, len(text), size)]
