@@ -35,23 +35,30 @@ log = logging.getLogger(__name__)
 
 
 class Grammars:
-    """Compiles grammar sources for one tokenizer, with a bounded cache of compiled matchers.
+    """Compiles grammar sources for one tokenizer (llguidance's view of it, over the model's
+    ``vocab_size``), with a bounded cache of compiled matchers.
 
     ``matcher(source)`` gives a fresh matcher (a copy of the cached compiled one). It raises
     ValueError for a grammar that does not compile (the front end validated it already; this is
     a safety net for the worker).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Seq[int], cache_size: int = 64) -> None:
+    def __init__(self, tokenizer: llguidance.LLTokenizer, vocab_size: int, cache_size: int = 64) -> None:
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
-        )
+        self.tokenizer = tokenizer
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
         # Mask computation runs llguidance's own thread pool (Rust, no GIL): at most 2 threads, so
         # it never competes with torch for more than a core's share on a small machine.
         self.executor = llguidance.LLExecutor(num_threads=2)
+
+    @classmethod
+    def for_hf_tokenizer(cls, tokenizer: Any, vocab_size: int, eos_token_ids: Seq[int]) -> Grammars:
+        """For a Hugging Face tokenizer; the model's logits may be wider than its vocabulary
+        (padding ids, never allowed), and its EOS ids are the engine's."""
+        return cls(llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
+        ), vocab_size)
 
     def matcher(self, source: str) -> llguidance.LLMatcher:
         compiled = self._cache.get(source)

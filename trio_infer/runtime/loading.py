@@ -82,4 +82,4 @@ def build_grammars(model: Any, tokenizer: Any) -> Any:
     from trio_infer.engine.grammar import Grammars
 
     info = model.info
-    return Grammars(tokenizer, info.vocab_size, info.eos_token_ids)
+    return Grammars.for_hf_tokenizer(tokenizer, info.vocab_size, info.eos_token_ids)
