@@ -14,9 +14,10 @@ into an ``LLMatcher`` when the request is added and keeps the matcher on the
   valid while the sequence is recomputed.
 
 Each step, :class:`TokenMasks` computes the masks of the constrained sequences that sample, in a
-thread started before the forward pass (llguidance releases the GIL while it computes, so the
-masks overlap the model), and the sampler applies them when it needs them. Unconstrained rows
-are never touched.
+thread started before the forward pass (llguidance and torch release the GIL while they compute,
+so the masks overlap the model): llguidance's packed bitmask, then the additive bias the sampler
+needs (0 where allowed, -inf elsewhere). The sampler then adds it to the constrained rows, one
+tensor op on the stepping thread. Unconstrained rows are never touched.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections import OrderedDict
 from typing import Any, Sequence as Seq
 
 import llguidance
+import numpy as np
 import llguidance.hf
 import llguidance.torch
 import torch
@@ -91,6 +93,7 @@ class TokenMasks:
         self._matchers = matchers
         self._grammars = grammars
         self.bitmask = llguidance.torch.allocate_token_bitmask(len(rows), grammars.vocab_size)
+        self.bias: torch.Tensor | None = None  # [len(rows), vocab]: 0 allowed, -inf forbidden
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._compute, name="token-masks", daemon=True)
 
@@ -109,6 +112,10 @@ class TokenMasks:
             llguidance.torch.fill_next_token_bitmask_par(
                 self._grammars.executor, [(m, j) for j, m in enumerate(self._matchers)], self.bitmask
             )
+            # numpy, single-threaded: torch ops in this thread would start an OpenMP team of
+            # their own (the thread count is per thread) and fight the forward pass for cores.
+            allowed = _unpack(self.bitmask, self._grammars.vocab_size)
+            self.bias = torch.from_numpy(np.take(_BIAS, allowed.view(np.uint8)))
         except BaseException as exc:  # re-raised in the stepping thread by wait()
             self._error = exc
 
@@ -119,22 +126,28 @@ class TokenMasks:
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set the logits of every token the grammar forbids to -inf, in the constrained rows
-        only. ``logits`` is [N, V] with V >= the grammars' vocabulary."""
+        only (adding 0 leaves an allowed logit exactly as it was). ``logits`` is [N, V] with V
+        the grammars' vocabulary (the model's)."""
         self.wait()
-        rows = torch.tensor(self.rows, dtype=torch.int64, device=logits.device)
-        allowed = unpack_bitmask(self.bitmask, logits.shape[-1]).to(logits.device)
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        assert self.bias is not None
+        bias = self.bias.to(logits.device, logits.dtype)
+        if len(self.rows) == logits.shape[0]:  # every row constrained: in place, no gather
+            logits += bias
+        else:
+            rows = torch.tensor(self.rows, dtype=torch.int64, device=logits.device)
+            logits.index_add_(0, rows, bias)
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # forbidden, allowed (a gather: np.where is 4x slower)
+
+
+def _unpack(bitmask: torch.Tensor, vocab: int) -> np.ndarray:
+    """llguidance's packed int32 bitmask [R, ceil(V/32)] as a bool array [R, vocab]: bit b of
+    word w is token 32*w + b, little-endian, so bit k of byte j is token 8*j + k."""
+    packed = bitmask.numpy().view(np.uint8)
+    return np.unpackbits(packed, axis=1, count=vocab, bitorder="little").view(np.bool_)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """llguidance's packed int32 bitmask [R, ceil(V/32)] as a bool tensor [R, vocab] (bit b of
-    word w is token 32*w + b; tokens past the bitmask are forbidden)."""
-    bits = (bitmask[:, :, None] >> _BITS) & 1
-    allowed = bits.view(bitmask.shape[0], -1).bool()
-    if allowed.shape[1] >= vocab:
-        return allowed[:, :vocab]
-    pad = torch.zeros(bitmask.shape[0], vocab - allowed.shape[1], dtype=torch.bool)
-    return torch.cat([allowed, pad], dim=1)
+    """:func:`_unpack` as a torch tensor."""
+    return torch.from_numpy(_unpack(bitmask, vocab))
