@@ -231,3 +231,31 @@ def test_bad_response_format_is_a_400_naming_the_field(server: Server, fmt: dict
     r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
                    json={"model": server.model, "messages": msgs(), "max_tokens": 2})
     assert r.status_code == 200  # still serving
+
+
+def test_unconstrained_requests_get_their_tokens_alone_or_among_constrained_ones(server: Server) -> None:
+    """Greedy unconstrained requests sent alone, then again together with constrained ones (all
+    at once, so they share steps): the same text, token for token."""
+    plain = [{"model": server.model, "messages": msgs(f"Plain {i}"), "max_tokens": 24,
+              "temperature": 0, "ignore_eos": True} for i in range(4)]
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 6},
+                                               "b": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                     "maxItems": 4}},
+              "required": ["a", "b"], "additionalProperties": False}
+    constrained = [{"model": server.model, "messages": msgs(f"JSON {i}"), "max_tokens": 200, "seed": i,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+                   for i in range(12)]
+
+    def post(body: dict) -> dict:
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    alone = [post(body) for body in plain]
+    with ThreadPoolExecutor(16) as pool:
+        mixed = list(pool.map(post, constrained + plain))
+    assert [c["message"]["content"] for c in mixed[len(constrained):]] == [c["message"]["content"] for c in alone]
+    for c in mixed[: len(constrained)]:
+        assert c["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(c["message"]["content"]), schema)
+    server.wait_idle()
