@@ -175,6 +175,18 @@ def test_json_object_returns_an_object(client: openai.OpenAI, server: Server) ->
             assert isinstance(json.loads(c.message.content), dict)
         else:
             assert c.finish_reason == "length"
+    # streamed: the same seeded choices, chunk by chunk
+    texts = {i: "" for i in range(4)}
+    finishes = {}
+    for chunk in client.chat.completions.create(
+        model=server.model, messages=msgs(), response_format={"type": "json_object"},
+        max_tokens=300, seed=11, n=4, stream=True,
+    ):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finishes[c.index] = c.finish_reason or finishes.get(c.index)
+    assert [texts[c.index] for c in r.choices] == [c.message.content for c in r.choices]
+    assert [finishes[c.index] for c in r.choices] == [c.finish_reason for c in r.choices]
 
 
 def test_completions_json_schema_streamed_and_not(client: openai.OpenAI, server: Server) -> None:

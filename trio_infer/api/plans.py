@@ -2,8 +2,9 @@
 
 Every check a client can fail happens here, once, before anything is scheduled or any byte of a
 stream is sent (gap G4): the model name, ``n``, the context length, token ids, the sampling
-parameters, ``response_format`` and the tools (``api/structured.py``, ``api/tools.py``). A completions batch (several prompts) is checked prompt by prompt, all of them before
-anything runs: one bad prompt refuses the whole request, naming it. Nothing here talks to the
+parameters, ``response_format`` and the tools (``api/structured.py``, ``api/tools.py``). A
+completions batch (several prompts) is checked prompt by prompt, all of them before anything
+runs: one bad prompt refuses the whole request, naming it. Nothing here talks to the
 engine or awaits anything.
 """
 
@@ -17,7 +18,7 @@ from typing import Any, Literal, Sequence
 from trio_infer.api.errors import APIError
 from trio_infer.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from trio_infer.api.structured import response_format_grammar
-from trio_infer.api.tools import ToolPlan, conversation, plan_tools, template_style
+from trio_infer.api.tools import HERMES, ToolPlan, conversation, plan_tools, template_style
 from trio_infer.engine.params import SamplingParams
 from trio_infer.runtime.detokenizer import encoder
 
@@ -102,7 +103,7 @@ def render_chat(
         )
     style = tools.style if tools is not None else template_style(tokenizer)
     turns = conversation(messages, style, tools)
-    extra = {"tools": tools.tools} if tools is not None and tools.style == "hermes" else {}
+    extra = {"tools": tools.tools} if tools is not None and tools.style == HERMES else {}
     try:
         text = tokenizer.apply_chat_template(
             turns, add_generation_prompt=add_generation_prompt, tokenize=False, **extra

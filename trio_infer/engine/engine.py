@@ -10,20 +10,19 @@ One step is three calls, so a server can run the heavy middle one off its event 
 while ``execute`` runs in another thread: ``execute`` reads only the plan (a snapshot) and
 writes only the KV pages the plan owns, and pages are only handed out again by ``schedule``.
 A sequence aborted while its step was in flight is simply skipped by ``commit``.
+``step()`` does all three, for offline use and tests.
 
 Constrained sequences (``SamplingParams.grammar``) carry their grammar state (engine/grammar.py):
 ``execute`` starts computing their token masks in a thread before the forward pass and the
 sampler applies them; ``commit`` advances each matcher by its token and ends the sequence when
 the grammar is complete.
-``step()`` does all three, for offline use and tests.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Hashable
-
-import logging
 
 import torch
 
@@ -210,7 +209,7 @@ class Engine:
             return self.runner.run(plan.batch, plan.sampling, plan.prompt_rows, masks)
         finally:
             if masks is not None:
-                masks.wait()
+                masks.join()  # the sampler waited already, unless the forward pass raised
 
     def commit(self, plan: StepPlan, result: SampleResult) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

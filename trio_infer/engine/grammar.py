@@ -22,18 +22,15 @@ tensor op on the stepping thread. Unconstrained rows are never touched.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import OrderedDict
 from typing import Any, Sequence as Seq
 
 import llguidance
-import numpy as np
 import llguidance.hf
 import llguidance.torch
+import numpy as np
 import torch
-
-log = logging.getLogger(__name__)
 
 
 class Grammars:
@@ -84,8 +81,8 @@ class TokenMasks:
     """The token masks of one step's constrained rows, computed in a thread.
 
     ``rows`` are the logits rows (sampling order) of the constrained sequences. The thread is
-    started by :meth:`start` and always joined by :meth:`wait` (the engine waits in a
-    ``finally``), so no thread outlives its step.
+    started by :meth:`start` and always joined (the sampler waits for it; the engine joins it in
+    a ``finally`` too), so no thread outlives its step.
     """
 
     def __init__(self, grammars: Grammars, rows: list[int], matchers: list[llguidance.LLMatcher]) -> None:
@@ -119,7 +116,11 @@ class TokenMasks:
         except BaseException as exc:  # re-raised in the stepping thread by wait()
             self._error = exc
 
+    def join(self) -> None:
+        self._thread.join()
+
     def wait(self) -> None:
+        """Join the thread; raise what it raised."""
         self._thread.join()
         if self._error is not None:
             raise self._error
