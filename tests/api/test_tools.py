@@ -232,6 +232,10 @@ _BAD: list[tuple[dict[str, Any], str]] = [
      "tools.0.function.parameters"),
     ({"tools": [SEARCH, {"type": "function", "function": {"name": "g", "parameters": {"not": {}}}}]},
      "tools.1.function.parameters"),
+    ({"tools": [SEARCH, {"type": "function", "function": {"name": "g", "parameters": {"type": "nope"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "search"}}}, "tools.1.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "g", "parameters": {"type": "nope"}}}],
+      "tool_choice": "none"}, "tools.0.function.parameters"),
     ({"tools": [SEARCH], "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [SEARCH, SEARCH]}, "tools.1.function.name"),
@@ -251,6 +255,14 @@ def test_bad_tools_are_a_400_naming_the_field(server: Server, extra: dict[str, A
     r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
                    json={"model": server.model, "messages": msgs(), "max_tokens": 2})
     assert r.status_code == 200  # still serving
+
+
+def test_tool_choice_none_and_auto_without_tools_ask_for_nothing(client: openai.OpenAI, server: Server) -> None:
+    r = client.chat.completions.create(model=server.model, messages=msgs(), max_tokens=4, tool_choice="auto")
+    assert r.choices[0].message.tool_calls is None
+    r = client.chat.completions.create(model=server.model, messages=msgs(), max_tokens=4, tools=[SEARCH],
+                                       tool_choice="none")
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
 
 
 # -- the parsers, on text a real model writes ---------------------------------------------------

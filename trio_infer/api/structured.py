@@ -38,11 +38,10 @@ def json_schema_grammar(schema: Any, param: str) -> str:
     return source
 
 
-def lark_grammar(lark: str, param: str) -> str:
-    """The grammar source of a Lark grammar (which may embed JSON schemas with ``%json``)."""
-    source = llguidance.LLMatcher.grammar_from_lark(lark)
-    check_grammar(source, param)
-    return source
+def lark_source(lark: str) -> str:
+    """The grammar source of a Lark grammar (which may embed JSON schemas with ``%json``), not
+    validated: see :func:`check_grammar`."""
+    return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
 def check_grammar(source: str, param: str) -> None:

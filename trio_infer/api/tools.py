@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 from trio_infer.api.errors import APIError
 from trio_infer.api.protocol import ChatCompletionRequest, ChatMessage, Tool
-from trio_infer.api.structured import JSON_OPTIONS, json_schema_grammar, lark_grammar
+from trio_infer.api.structured import JSON_OPTIONS, check_grammar, json_schema_grammar, lark_source
 
 HERMES = "hermes"
 JSON = "json"
@@ -94,17 +94,15 @@ def plan_tools(req: ChatCompletionRequest, style: str) -> ToolPlan | None:
     tools = req.tools or []
     choice = req.tool_choice
     if not tools:
-        if choice not in (None, "none"):
-            raise APIError(400, "'tool_choice' is only allowed when 'tools' are given.", param="tool_choice")
+        if choice not in (None, "none", "auto"):  # "auto" without tools asks for nothing
+            raise APIError(400, "'tool_choice' requires 'tools'.", param="tool_choice")
         return None
     names = [t.function.name for t in tools]
     for i, name in enumerate(names):
         if name in names[:i]:
             raise APIError(400, f"Two tools are named '{name}'.", param=f"tools.{i}.function.name")
-    schemas = [call_schema(t, f"tools.{i}.function.parameters") for i, t in enumerate(tools)]
-    if choice == "none":
-        return None
-    if choice is None or choice == "auto":
+    schemas = [call_schema(t) for t in tools]
+    if choice is None or choice in ("auto", "none"):
         name = "auto"
     elif choice == "required":
         name = "required"
@@ -113,20 +111,33 @@ def plan_tools(req: ChatCompletionRequest, style: str) -> ToolPlan | None:
         if name not in names:
             raise APIError(400, f"'tool_choice' names the function '{name}', which is not among the "
                            f"tools ({', '.join(names)}).", param="tool_choice")
+    parallel = req.parallel_tool_calls is not False
+    # Every tool's parameters are checked, whatever tool_choice (``none`` too, as OpenAI does): in
+    # one grammar of all the calls, tool by tool only to name the one at fault.
+    try:
+        check_grammar(lark_source(_lark(style, schemas, parallel, False)), "tools")
+    except APIError:
+        for i, tool in enumerate(tools):
+            json_schema_grammar(_parameters(tool), f"tools.{i}.function.parameters")
+        raise
+    if choice == "none":
+        return None
     if name not in ("auto", "required"):
         schemas = [schemas[names.index(name)]]
-    parallel = req.parallel_tool_calls is not False
     grammar = None
-    if not (style == HERMES and name == "auto"):
-        grammar = lark_grammar(_lark(style, schemas, parallel, name == "auto"), "tools")
+    if not (style == HERMES and name == "auto"):  # hermes ``auto`` is left to the model
+        grammar = lark_source(_lark(style, schemas, parallel, name == "auto"))
     return ToolPlan(style, [t.model_dump(exclude_none=True) for t in tools], name, parallel, grammar)
 
 
-def call_schema(tool: Tool, param: str) -> dict[str, Any]:
+def _parameters(tool: Tool) -> dict[str, Any]:
+    return dict(tool.function.parameters or {"type": "object", "properties": {}})
+
+
+def call_schema(tool: Tool) -> dict[str, Any]:
     """The JSON schema of one call of ``tool``: its name, then its arguments. The parameters'
     ``$defs`` move to the call's root, where their ``#/$defs/...`` references point."""
-    params = dict(tool.function.parameters or {"type": "object", "properties": {}})
-    json_schema_grammar(params, param)  # the parameter schema alone: a 400 naming this tool
+    params = _parameters(tool)
     defs = {key: params.pop(key) for key in ("$defs", "definitions") if key in params}
     return {
         **defs,
