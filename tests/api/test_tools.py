@@ -23,7 +23,7 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from trio_infer.api.tools import HERMES, JSON, ToolPlan
+from trio_infer.api.tools import HERMES, JSON, CallStream, ToolPlan
 
 from .test_server import Server, start_server
 
@@ -124,10 +124,10 @@ def check_calls(calls: Any, names: set[str]) -> None:
         jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
 
 
-def streamed(client: openai.OpenAI, **kw: Any) -> tuple[str, dict[int, dict[str, str]], str | None]:
+def streamed(client: openai.OpenAI, **kw: Any) -> tuple[str, dict[int, dict[str, Any]], str | None]:
     """A streamed answer as (content, calls by index, finish reason), checking OpenAI's shape:
     each call's first chunk has its id and name, the arguments come after, in pieces."""
-    content, calls, finish = "", {}, None
+    content, calls, finish = "", {}, None  # type: dict[int, dict[str, Any]]
     for chunk in client.chat.completions.create(stream=True, **kw):
         if not chunk.choices:
             continue
@@ -136,10 +136,11 @@ def streamed(client: openai.OpenAI, **kw: Any) -> tuple[str, dict[int, dict[str,
         for tc in choice.delta.tool_calls or ():
             if tc.index not in calls:
                 assert tc.id and tc.function.name and tc.function.arguments == ""
-                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": "", "pieces": 0}
             else:
                 assert tc.id is None
                 calls[tc.index]["arguments"] += tc.function.arguments
+                calls[tc.index]["pieces"] += 1
         finish = choice.finish_reason or finish
     return content, calls, finish
 
@@ -162,6 +163,10 @@ def test_required_and_named_calls_validate(client: openai.OpenAI, server: Server
     for call in calls.values():
         assert call["name"] in names
         jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])
+        assert call["pieces"] > 1  # the arguments stream as they are generated
+    # the same seeded call as the non-streamed answer gives
+    [same] = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    assert (same.function.name, same.function.arguments) == (calls[0]["name"], calls[0]["arguments"])
 
 
 def test_sdk_parses_the_arguments_of_a_strict_tool(client: openai.OpenAI, server: Server) -> None:
@@ -287,3 +292,26 @@ def test_json_text_is_parsed_into_calls_or_a_response() -> None:
     assert out.content is None and out.tool_calls[0]["function"]["name"] == "search"
     assert plan.parse('{"response":"Hello"}').content == "Hello"
     assert plan.parse('{"respo').content == '{"respo'
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_call_stream_reads_calls_in_any_chunking(step: int) -> None:
+    def run(style: str, text: str) -> tuple[dict[int, list[str]], str | None]:
+        scanner, events = CallStream(style), []
+        for i in range(0, len(text), step):
+            events += scanner.feed(text[i : i + step])
+        calls: dict[int, list[str]] = {}
+        for event in events:
+            if event[0] == "call":
+                calls[event[1]] = [event[3], ""]
+            else:
+                calls[event[1]][1] += event[2]
+        return calls, scanner.rest()
+
+    tricky = '{"x":"}\\"]","y":[1,{"z":2}]}'
+    assert run(JSON, '{"tool_calls":[{"name":"a","arguments":' + tricky + '},{"name":"b","arguments":{}}]}') \
+        == ({0: ["a", tricky], 1: ["b", "{}"]}, None)
+    assert run(HERMES, '<tool_call>\n{"name":"a","arguments":{"x":"q"}}\n</tool_call>\n<tool_call>\n'
+               '{"name":"b","arguments":{"k":[1]}}\n</tool_call>') == ({0: ["a", '{"x":"q"}'], 1: ["b", '{"k":[1]}']}, None)
+    assert run(JSON, '{"response":"Hello \\"you\\""}') == ({}, 'Hello "you"')
+    assert run(JSON, '{"tool_calls":[{"name":"a","argu') == ({}, '{"tool_calls":[{"name":"a","argu')  # cut short

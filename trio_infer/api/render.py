@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from trio_infer.api import sse
 from trio_infer.api.plans import Plan
+from trio_infer.api.tools import CallStream
 from trio_infer.engine.sampler import TokenLogprob
 from trio_infer.runtime.text_stream import ChoiceDelta, ChoiceText
 
@@ -190,10 +191,11 @@ class ChunkWriter:
     uses, so the bytes are exactly what :func:`sse.event` of the equivalent object gives). Chunks
     with logprobs, and the rare ones, go through the generic ``sse.event``.
 
-    A request that may call tools is held back: its text is only known to be a call or an answer
-    once it is complete (a ``json``-style answer is a JSON object either way), so each choice is
-    written when it finishes, as OpenAI streams calls: per call, a chunk with its index, id and
-    name (arguments ""), then the arguments in pieces; the finish reason after.
+    A request that may call tools streams calls as OpenAI does: per call, a chunk with its index,
+    id and name (arguments ""), then the arguments in pieces as they are generated, then the
+    finish reason. When the grammar constrains the answer, a :class:`~trio_infer.api.tools.
+    CallStream` reads the calls as the text comes; hermes ``auto`` (unconstrained: a call may
+    start anywhere in the text) is held until its choice ends, then written the same way.
     """
 
     def __init__(self, plan: Plan, texts: TokenText) -> None:
@@ -210,8 +212,8 @@ class ChunkWriter:
         head = sse.dumps(self._head)
         self._prefix = 'data: ' + head[:-1] + ',"choices":[{"index":'
         self._want_lp = plan.logprobs is not None
-        # With tools: each choice's text until it finishes (see above); None otherwise.
-        self._held: dict[int, list[str]] | None = {} if plan.tools is not None else None
+        # With tools: each choice's call scanner (or its text so far, held); None otherwise.
+        self._calls: dict[int, CallStream | list[str]] | None = {} if plan.tools is not None else None
 
     def first(self) -> list[str]:
         """Chat: the role chunk of each choice. Completions: the echoed prompt, if any (with
@@ -231,8 +233,8 @@ class ChunkWriter:
 
     def delta(self, delta: ChoiceDelta) -> str | None:
         """The event for one choice's delta, or None when there is nothing to say yet."""
-        if self._held is not None:
-            return self._tool_delta(self._held, delta)
+        if self._calls is not None:
+            return self._tool_delta(self._calls, delta)
         index = delta.index
         text = delta.text
         finish = delta.finish_reason
@@ -251,25 +253,47 @@ class ChunkWriter:
         end = "null}]}\n\n" if finish is None else sse.encode_str(finish) + "}]}\n\n"
         return self._prefix + str(index) + body + end
 
-    def _tool_delta(self, held: dict[int, list[str]], delta: ChoiceDelta) -> str | None:
-        held.setdefault(delta.index, []).append(delta.text)
-        if delta.finish_reason is None:
-            return None
-        text = "".join(held.pop(delta.index))
-        message, finish = chat_message(self.plan, text, delta.finish_reason)
-        events = []
-        if message["content"]:
-            events.append(self._chunk(delta.index, {"delta": {"content": message["content"]}, "logprobs": None}))
-        for k, call in enumerate(message.get("tool_calls", ())):
-            fn = call["function"]
-            events.append(self._chunk(delta.index, {"delta": {"tool_calls": [
-                {"index": k, "id": call["id"], "type": "function",
-                 "function": {"name": fn["name"], "arguments": ""}}]}, "logprobs": None}))
-            for piece in _pieces(fn["arguments"]):
-                events.append(self._chunk(delta.index, {"delta": {"tool_calls": [
-                    {"index": k, "function": {"arguments": piece}}]}, "logprobs": None}))
-        events.append(self._chunk(delta.index, {"delta": {}, "logprobs": None}, finish))
-        return "".join(sse.event(e) for e in events)
+    def _tool_delta(self, calls: dict[int, CallStream | list[str]], delta: ChoiceDelta) -> str | None:
+        index, finish = delta.index, delta.finish_reason
+        assert self.plan.tools is not None
+        scanner = calls.get(index)
+        if scanner is None:
+            scanner = calls[index] = self.plan.tools.stream() or []
+        events: list[dict[str, Any]] = []
+        if isinstance(scanner, CallStream):
+            for event in scanner.feed(delta.text):
+                events.append(self._call_chunk(index, event))
+            if finish is not None:
+                content = scanner.rest()
+                if content:
+                    events.append(self._chunk(index, {"delta": {"content": content}, "logprobs": None}))
+                if scanner.num_calls and finish == "stop":
+                    finish = "tool_calls"
+        else:  # held until the end, then parsed whole
+            scanner.append(delta.text)
+            if finish is None:
+                return None
+            message, finish = chat_message(self.plan, "".join(scanner), finish)
+            if message["content"]:
+                events.append(self._chunk(index, {"delta": {"content": message["content"]}, "logprobs": None}))
+            for k, call in enumerate(message.get("tool_calls", ())):
+                fn = call["function"]
+                events.append(self._call_chunk(index, ("call", k, call["id"], fn["name"])))
+                events.extend(self._call_chunk(index, ("arguments", k, piece)) for piece in _pieces(fn["arguments"]))
+        if finish is not None:
+            del calls[index]
+            events.append(self._chunk(index, {"delta": {}, "logprobs": None}, finish))
+        return "".join(sse.event(e) for e in events) or None
+
+    def _call_chunk(self, index: int, event: tuple) -> dict[str, Any]:
+        """A ``delta.tool_calls`` chunk: ("call", k, id, name) or ("arguments", k, piece)."""
+        if event[0] == "call":
+            _, k, call_id, name = event
+            call = {"index": k, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+        else:
+            _, k, piece = event
+            call = {"index": k, "function": {"arguments": piece}}
+        return self._chunk(index, {"delta": {"tool_calls": [call]}, "logprobs": None})
 
     def _delta_object(self, index: int, delta: ChoiceDelta) -> dict[str, Any]:
         want_lp = self._want_lp

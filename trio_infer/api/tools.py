@@ -61,6 +61,11 @@ class ToolPlan:
     parallel: bool
     grammar: str | None  # None: the output is not constrained (hermes ``auto``)
 
+    def stream(self) -> CallStream | None:
+        """A scanner that turns this request's text into calls as it arrives, or None when the
+        output is not constrained (hermes ``auto``: only the whole text tells)."""
+        return CallStream(self.style) if self.grammar is not None else None
+
     def parse(self, text: str) -> ParsedOutput:
         """The model's text as content and tool calls. Text that holds no well-formed call is
         content, as it is."""
@@ -247,7 +252,7 @@ def _call(obj: Any) -> dict[str, Any] | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if not isinstance(args, (dict, str)):
         return None
-    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False, separators=(",", ":"))
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": obj["name"], "arguments": text}}
 
@@ -280,3 +285,113 @@ def _parse_json(text: str) -> ParsedOutput:
     if isinstance(obj, dict) and set(obj) == {"response"} and isinstance(obj["response"], str):
         return ParsedOutput(obj["response"], [])
     return ParsedOutput(text, [])
+
+
+# -- the output, as it streams ----------------------------------------------------------------------
+
+# What the grammar makes the model write around each call (compact JSON inside, see _lark).
+_OPEN = {JSON: '{"tool_calls":[', HERMES: "<tool_call>\n"}
+_NEXT = {JSON: ",", HERMES: "\n</tool_call>\n<tool_call>\n"}
+_NAME = '{"name":"'
+_ARGUMENTS = '","arguments":'
+
+
+class CallStream:
+    """Tool calls out of a constrained answer as it streams (``ToolPlan.stream``).
+
+    The grammar fixes everything around the calls, so this is not a JSON parser: it matches the
+    fixed text, reads each call's name, then passes the arguments through as they come, counting
+    brackets outside strings to see where they end. ``feed(text)`` returns what can be said now:
+    ``("call", index, id, name)`` when a call's name is complete, ``("arguments", index, piece)``
+    after. A ``json``-style answer that is not a call (``{"response": ...}``) is held and parsed
+    whole by ``rest()``.
+    """
+
+    def __init__(self, style: str) -> None:
+        self._style = style
+        self._buf = ""
+        self._pos = 0
+        self._state = "open"  # open, name, arguments, between, other
+        self.num_calls = 0
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+
+    def feed(self, text: str) -> list[tuple]:
+        self._buf += text
+        events: list[tuple] = []
+        while self._step(events):
+            pass
+        return events
+
+    def rest(self) -> str | None:
+        """At the end: the content of an answer that was no call (else None)."""
+        if self._state == "other" or (self.num_calls == 0 and self._buf):
+            return _parse_json(self._buf).content if self._style == JSON else self._buf
+        return None
+
+    def _literal(self, literal: str) -> bool | None:
+        """Consume ``literal`` if it is next: True; None if the text so far may still become it;
+        False if it cannot."""
+        ahead = self._buf[self._pos : self._pos + len(literal)]
+        if ahead == literal:
+            self._pos += len(literal)
+            return True
+        return None if literal.startswith(ahead) else False
+
+    def _step(self, events: list[tuple]) -> bool:
+        state = self._state
+        if state == "open":
+            found = self._literal(_OPEN[self._style])
+            if found is None:
+                return False
+            self._state = "name" if found else "other"
+            return found
+        if state == "name":
+            if self._literal(_NAME) is not True:
+                return False
+            end = self._buf.find('"', self._pos)
+            if end < 0 or not self._buf.startswith(_ARGUMENTS, end):
+                self._pos -= len(_NAME)  # wait for the whole name
+                return False
+            name = self._buf[self._pos : end]
+            self._pos = end + len(_ARGUMENTS)
+            events.append(("call", self.num_calls, f"call_{uuid.uuid4().hex[:24]}", name))
+            self.num_calls += 1
+            self._state, self._depth, self._in_string, self._escaped = "arguments", 0, False, False
+            return True
+        if state == "arguments":
+            start = i = self._pos
+            buf = self._buf
+            while i < len(buf):
+                c = buf[i]
+                if self._in_string:
+                    if self._escaped:
+                        self._escaped = False
+                    elif c == "\\":
+                        self._escaped = True
+                    elif c == '"':
+                        self._in_string = False
+                elif c == '"':
+                    self._in_string = True
+                elif c in "{[":
+                    self._depth += 1
+                elif c in "]}":
+                    if self._depth == 0:  # the call's own closing brace
+                        break
+                    self._depth -= 1
+                i += 1
+            if i > start:
+                events.append(("arguments", self.num_calls - 1, buf[start:i]))
+            self._pos = i
+            if i < len(buf):
+                self._pos += 1  # the call's "}"
+                self._state = "between"
+                return True
+            return False
+        if state == "between":  # another call, or (at the end) the closing text
+            if self._literal(_NEXT[self._style]):
+                self._state = "name"
+                return True
+            return False
+        return False  # other: nothing more to say before the end
