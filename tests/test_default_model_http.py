@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Annotated, Literal
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from trio_infer.models.default_model import default_cache_dir, default_model_file
 from trio_infer.settings import Settings
@@ -32,6 +35,39 @@ def _health(url: str) -> int:
         return httpx.get(url + "/health", timeout=2).status_code
     except httpx.TransportError:
         return 0
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    continent: Literal["Europe", "Asia", "Africa", "America", "Oceania"]
+    landmarks: Annotated[list[str], Field(max_length=3)]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def check_structured_output_and_tools(client: openai.OpenAI, model: str) -> None:
+    """The SDK's parse, and a tool call through the generic fallback (SmolLM2's template knows
+    no tools): the real model fills both with the right facts."""
+    reply = client.chat.completions.parse(
+        model=model, messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City, temperature=0, max_tokens=200,
+    )
+    city = reply.choices[0].message.parsed
+    assert isinstance(city, City) and city.name == "Paris" and city.continent == "Europe", city
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER], temperature=0, max_tokens=100,  # tool_choice "auto"
+    )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    [call] = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] == "Paris"
 
 
 @pytest.mark.skipif(not SMOLLM2.exists(), reason=f"{SMOLLM2} is absent (`make venv` fetches it)")
@@ -66,6 +102,7 @@ def test_the_default_model_answers_paris_over_http(tmp_path: Path) -> None:
             max_tokens=32, stream=True,
         )
         assert "".join(c.choices[0].delta.content or "" for c in stream) == choice.message.content
+        check_structured_output_and_tools(client, model)
         assert httpx.get(url + "/health").status_code == 200
     finally:
         proc.terminate()

@@ -62,17 +62,21 @@ class Server:
             time.sleep(0.02)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def start_server(
+    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, extra_env: dict[str, str] | None = None
+) -> Iterator[Server]:
+    """A hypercorn server process on ``checkpoint`` (a generator for module fixtures: it yields
+    the running server, then stops it gracefully and checks its log holds no traceback)."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {
         **os.environ,
-        "TRIO_INFER_MODEL": str(tiny_checkpoint),
+        "TRIO_INFER_MODEL": str(checkpoint),
         "TRIO_INFER_CACHE_DIR": str(tmp_path_factory.mktemp("cache")),
         "TRIO_INFER_TORCH_THREADS": "1",
         "TRIO_INFER_MAX_BODY_BYTES": str(MAX_BODY),
         "TRIO_INFER_MAX_N": "4",
+        **(extra_env or {}),
     }
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -101,6 +105,11 @@ def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         proc.kill()
         raise
     assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from start_server(tiny_checkpoint, tmp_path_factory)
 
 
 @pytest.fixture
@@ -254,8 +263,8 @@ def test_errors_reach_the_client_typed(client: openai.OpenAI, server: Server) ->
     assert e.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=server.model, messages=msgs(), max_tokens=2, tools=[
-            {"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert e.value.param == "tools"
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}])
+    assert e.value.param == "tools.0.function.parameters"
     # A stream that cannot start is an HTTP error, not an SSE error event.
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=server.model, messages=msgs(), max_tokens=10**6, stream=True)
@@ -276,7 +285,8 @@ BAD_INPUTS: list[tuple[str, str, bytes, int, str | None]] = [
     ("n=0", "/v1/completions", json.dumps({"prompt": "a", "n": 0}).encode(), 400, "n"),
     ("n too big", "/v1/completions", json.dumps({"prompt": "a", "n": 5}).encode(), 400, "n"),
     ("empty messages", "/v1/chat/completions", json.dumps({"messages": []}).encode(), 400, "messages"),
-    ("bad role", "/v1/chat/completions", json.dumps({"messages": [{"role": "tool", "content": "x"}]}).encode(), 400, "messages.0.role"),
+    ("bad role", "/v1/chat/completions", json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), 400, "messages.0.role"),
+    ("tool message without its call", "/v1/chat/completions", json.dumps({"messages": [{"role": "tool", "content": "x"}]}).encode(), 400, "messages.0.tool_call_id"),
     ("unknown model", "/v1/completions", json.dumps({"model": "nope", "prompt": "a"}).encode(), 404, "model"),
     ("empty prompt", "/v1/completions", json.dumps({"prompt": ""}).encode(), 400, "prompt"),
     ("token id out of range", "/v1/completions", json.dumps({"prompt": [10**7]}).encode(), 400, "prompt"),

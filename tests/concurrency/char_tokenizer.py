@@ -49,3 +49,31 @@ class CharTokenizer:
         if token_id == EOS:
             return "" if skip_special else EOS_TEXT
         return ALPHABET[token_id - 1]
+
+
+def ll_tokenizer() -> Any:
+    """llguidance's view of this tokenizer (constrained choices of the suite): token 0 is the
+    special EOS, token i the byte of ``ALPHABET[i - 1]``."""
+    import llguidance
+
+    class Wrapped:
+        eos_token_id = EOS
+        bos_token_id = None
+        special_token_ids = [EOS]
+        tokens = [b"<eos>"] + [c.encode() for c in ALPHABET]
+
+        def __call__(self, text: bytes) -> list[int]:
+            return [ALPHABET.index(chr(b)) + 1 for b in text]
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Wrapped()), n_vocab=VOCAB)
+
+
+def any_text_grammar() -> str:
+    """A grammar that allows every text of the alphabet and the EOS anywhere: a constrained
+    choice then writes exactly what the fake model writes (its expected output), while its grammar
+    state is created, advanced and released like any other."""
+    import re
+
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_regex("[" + re.escape(ALPHABET) + "]*")

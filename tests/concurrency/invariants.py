@@ -71,7 +71,16 @@ def check_worker_idle(ae: AsyncEngine, core: WorkerCore, e: Engine) -> None:
     assert not e.scheduler.running, f"running left: {[s.uid for s in e.scheduler.running]}"
     assert not e.scheduler.waiting, f"waiting left: {[s.uid for s in e.scheduler.waiting]}"
     check_pages_idle(e)
+    check_grammar_state_released(e)
     assert stats_idle(ae), f"the front end's last statistics from the worker are not idle: {ae.stats}"
+
+
+def check_grammar_state_released(e: Engine) -> None:
+    """Every sequence that ended (finish, abort, failed step, shutdown) let go of its grammar
+    state, and the engine holds none (engine/grammar.py)."""
+    assert e.num_matchers == 0, f"the engine still holds {e.num_matchers} grammar matcher(s)"
+    held = [s.uid for s in getattr(e, "sequences", ()) if s.matcher is not None]
+    assert not held, f"ended sequences still hold grammar state: {held}"
 
 
 def check_pages_idle(e: Engine) -> None:

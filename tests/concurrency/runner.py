@@ -44,7 +44,8 @@ import trio
 import trio.testing
 
 from trio_infer.engine.engine import Engine, EngineConfig, RequestOutput, StepPlan
-from trio_infer.engine.sequence import Status
+from trio_infer.engine.grammar import Grammars
+from trio_infer.engine.sequence import Sequence, Status
 from trio_infer.metrics import Metrics
 from trio_infer.models.fake import FakeModel
 from trio_infer.runtime.client import AsyncEngine, GenerationStream, open_engine
@@ -53,6 +54,7 @@ from trio_infer.runtime.protocol import Output, Uid
 from trio_infer.runtime.worker import WorkerCore
 from trio_infer.settings import Settings
 
+from .char_tokenizer import ll_tokenizer
 from .scenario import EOS, VOCAB, Request, Scenario, Stats
 
 # Virtual seconds a scenario may take before it counts as a deadlock (costs no wall time).
@@ -263,13 +265,20 @@ def describe_stuck(engine: Engine, ae: AsyncEngine | None, core: WorkerCore | No
     return "\n  ".join(lines)
 
 
+@functools.lru_cache(maxsize=1)
+def _grammars() -> Grammars:
+    """One compiler for every scenario's engine: the character tokenizer's llguidance tables and
+    the one grammar of constrained choices are built once per test process."""
+    return Grammars(ll_tokenizer(), VOCAB)
+
+
 class ProbeEngine(Engine):
     """The real engine, watched from inside the worker. A violation stops the run at once (see
     :class:`ProbeFailure`), with the step and the uid in its message."""
 
     def __init__(self, model: FakeModel, config: EngineConfig, fail_steps: frozenset[int],
                  probe: Probe, capacity: int) -> None:
-        super().__init__(model, config)
+        super().__init__(model, config, grammars=_grammars())
         self.probe = probe
         self.fail_steps = fail_steps
         self.capacity = capacity  # channel_capacity: the credits each uid starts with
@@ -285,6 +294,7 @@ class ProbeEngine(Engine):
         self.end_event: dict[Hashable, Event] = {}
         self.abort_event: dict[Hashable, Event] = {}  # uids ended by an abort (not a finish)
         self.admitted: set[Hashable] = set()
+        self.sequences: list[Sequence] = []  # every sequence admitted: ended, each holds no grammar state
         self.emitted: Counter[Hashable] = Counter()  # outputs each uid produced
         self.emissions: dict[Hashable, list[tuple[Event, bool]]] = {}  # uid -> (when, final?)
         self.after_end: Counter[Hashable] = Counter()  # steps a uid was in after the front end ended it
@@ -297,6 +307,7 @@ class ProbeEngine(Engine):
         self.calls += 1
         super().add_request(uid, prompt_ids, params)
         self.admitted.add(uid)
+        self.sequences.append(self._seqs[uid])
 
     def abort(self, uid: Hashable) -> bool:
         self.calls += 1

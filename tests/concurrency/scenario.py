@@ -53,11 +53,21 @@ class Client:
 
 @dataclass(frozen=True)
 class Choice:
-    """One of a request's ``n`` choices: greedy, so its output is known in advance."""
+    """One of a request's ``n`` choices: greedy, so its output is known in advance.
+
+    A ``constrained`` choice carries a grammar that allows every text and the EOS anywhere
+    (``char_tokenizer.any_text_grammar``): it writes the same tokens, except that the EOS ends it
+    whatever ``ignore_eos`` says (a grammar that took the EOS is complete), and its grammar state
+    must be released on every way out like the rest of its state."""
 
     max_tokens: int | None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = True
+    constrained: bool = False
+
+    @property
+    def ends_at_eos(self) -> bool:
+        return not self.ignore_eos or self.constrained
 
     def params(self) -> SamplingParams:
         return SamplingParams(
@@ -65,7 +75,15 @@ class Choice:
             max_tokens=self.max_tokens,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            grammar=_any_text_grammar() if self.constrained else None,
         )
+
+
+@functools.lru_cache(maxsize=1)
+def _any_text_grammar() -> str:
+    from .char_tokenizer import any_text_grammar
+
+    return any_text_grammar()
 
 
 @dataclass(frozen=True)
@@ -132,7 +150,7 @@ def expected_output(prompt: tuple[int, ...] | list[int], choice: Choice, max_mod
         t = expected_next_token(seq, vocab, eos)
         seq.append(t)
         out.append(t)
-        if (not choice.ignore_eos and t == eos) or t in choice.stop_token_ids:
+        if (choice.ends_at_eos and t == eos) or t in choice.stop_token_ids:
             return Expected(tuple(out), "stop")
         if choice.max_tokens is not None and len(out) >= choice.max_tokens:
             return Expected(tuple(out), "length")

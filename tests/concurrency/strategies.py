@@ -88,7 +88,8 @@ def choices(draw: st.DrawFn, prompt: tuple[int, ...]) -> Choice:
     stop = [pick(draw, cont) if draw(BOOLS) else draw(st.integers(0, VOCAB - 1))
             for _ in range(draw(st.integers(0, 2)))]
     ignore_eos = draw(NOT_BOOLS)  # shrinks to ignoring the EOS
-    return Choice(max_tokens, tuple(dict.fromkeys(stop)), ignore_eos)
+    constrained = sometimes(draw, BOOLS, False)  # with grammar state (engine/grammar.py)
+    return Choice(max_tokens, tuple(dict.fromkeys(stop)), ignore_eos, constrained)
 
 
 def tokens(length: int) -> st.SearchStrategy[list[int]]:

@@ -2,8 +2,9 @@
 
 Every check a client can fail happens here, once, before anything is scheduled or any byte of a
 stream is sent (gap G4): the model name, ``n``, the context length, token ids, the sampling
-parameters. A completions batch (several prompts) is checked prompt by prompt, all of them before
-anything runs: one bad prompt refuses the whole request, naming it. Nothing here talks to the
+parameters, ``response_format`` and the tools (``api/structured.py``, ``api/tools.py``). A
+completions batch (several prompts) is checked prompt by prompt, all of them before anything
+runs: one bad prompt refuses the whole request, naming it. Nothing here talks to the
 engine or awaits anything.
 """
 
@@ -16,6 +17,8 @@ from typing import Any, Literal, Sequence
 
 from trio_infer.api.errors import APIError
 from trio_infer.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from trio_infer.api.structured import response_format_grammar
+from trio_infer.api.tools import HERMES, ToolPlan, conversation, plan_tools, template_style
 from trio_infer.engine.params import SamplingParams
 from trio_infer.runtime.detokenizer import encoder
 
@@ -52,6 +55,8 @@ class Plan:
     # Completions with echo: each prompt as text, prepended to its choices' text. With logprobs
     # too, each choice's logprobs start with its prompt's (the first one null).
     echo: list[str] | None = None
+    # A chat request that may call tools: its output is parsed into tool calls (api/tools.py).
+    tools: ToolPlan | None = None
 
     @property
     def n(self) -> int:
@@ -82,21 +87,26 @@ def check_model(requested: str | None, limits: ModelLimits) -> None:
         )
 
 
-def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-    """Messages -> prompt ids through the tokenizer's own chat template."""
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool = True,
+    tools: ToolPlan | None = None,
+) -> list[int]:
+    """Messages (and the tools a request may call) -> prompt ids through the tokenizer's own chat
+    template, or the generic rendering of tools for a template that knows none (api/tools.py)."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(
             400,
             "This model has no chat template; use /v1/completions with a plain prompt.",
             param="messages",
         )
-    conversation = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in messages
-    ]
+    style = tools.style if tools is not None else template_style(tokenizer)
+    turns = conversation(messages, style, tools)
+    extra = {"tools": tools.tools} if tools is not None and tools.style == HERMES else {}
     try:
         text = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+            turns, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
         )
     except Exception as exc:  # a template may raise for conversations it does not support
         raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
@@ -173,6 +183,7 @@ def _sampling(
     logprobs: int | None,
     limits: ModelLimits,
     prompt_logprobs: int | None = None,
+    grammar: str | None = None,
 ) -> list[SamplingParams]:
     stop_token_ids = tuple(req.stop_token_ids or ())
     check_token_ids(stop_token_ids, limits.vocab_size, "stop_token_ids")
@@ -191,6 +202,7 @@ def _sampling(
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        grammar=grammar,
     )
     # Choice i of a seeded request uses seed + i: the choices differ, and the whole request
     # replays exactly with the same seed. (In a batch, choice i of every prompt: a prompt gives
@@ -223,7 +235,16 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits) -
             400, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs"
         )
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    prompt_ids = render_chat(tokenizer, req.messages)
+    tools = plan_tools(req, template_style(tokenizer))
+    grammar = response_format_grammar(req.response_format)
+    if grammar is not None and tools is not None:
+        raise APIError(
+            400, "'response_format' cannot be combined with tools the model may call on this "
+            "server; send 'tool_choice': 'none' or no 'response_format'.", param="response_format",
+        )
+    if tools is not None:
+        grammar = tools.grammar
+    prompt_ids = render_chat(tokenizer, req.messages, tools=tools)
     check_context(len(prompt_ids), max_tokens, limits, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return Plan(
@@ -232,11 +253,12 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits) -
         created=int(time.time()),
         model=limits.name,
         prompts=[prompt_ids],
-        params=_sampling(req, n, max_tokens, logprobs, limits),
+        params=_sampling(req, n, max_tokens, logprobs, limits, grammar=grammar),
         stop=req.stop_list(),
         logprobs=logprobs,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        tools=tools,
     )
 
 
@@ -246,6 +268,7 @@ def plan_completion(req: CompletionRequest, tokenizer: Any, limits: ModelLimits)
         raise APIError(
             400, "'best_of' different from 'n' is not supported by this server.", param="best_of"
         )
+    grammar = response_format_grammar(req.response_format)
     raw = split_prompts(req.prompt)
     batch = len(raw) > 1
     cap = limits.max_batch_sequences
@@ -275,7 +298,7 @@ def plan_completion(req: CompletionRequest, tokenizer: Any, limits: ModelLimits)
         created=int(time.time()),
         model=limits.name,
         prompts=prompts,
-        params=_sampling(req, n, req.max_tokens, req.logprobs, limits, prompt_logprobs),
+        params=_sampling(req, n, req.max_tokens, req.logprobs, limits, prompt_logprobs, grammar),
         stop=req.stop_list(),
         logprobs=req.logprobs,
         stream=bool(req.stream),

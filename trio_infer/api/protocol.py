@@ -5,7 +5,7 @@ that passes here and the checks in :mod:`trio_infer.api.plans` is one the engine
 nothing can fail "later" for a reason the client could have been told up front.
 
 Unknown fields are never silently ignored. A field of the OpenAI API that this server does not
-implement (``tools``, ``response_format``, ``logit_bias``, ...) is rejected with a 400 naming it,
+implement (``functions``, ``logit_bias``, ...) is rejected with a 400 naming it,
 unless its value asks for nothing (``null``, an empty list, ``false`` for ``store``): clients
 commonly send those. Fields that change nothing about the output by definition (``user``,
 ``metadata``) are accepted.
@@ -22,7 +22,6 @@ from trio_infer.api.errors import APIError
 # A value in the tuple means "not asking for the feature": such a field is dropped, not rejected.
 _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
     "prediction": (None,),
@@ -30,9 +29,6 @@ _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
 }
 UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     **_UNSUPPORTED_COMMON,
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
     "audio": (None,),
@@ -80,14 +76,71 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    """A message of the conversation. An assistant message may carry ``tool_calls`` (then its
+    content may be null); a ``tool`` message answers one of them (``tool_call_id``). Which
+    combinations make sense is checked in one place, ``api/tools.py``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: None = None  # what the SDK echoes back of an assistant message; asks for nothing
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
+
+
+# -- structured output and tools (api/structured.py and api/tools.py give them meaning) ----------
+
+
+class JsonSchemaFormat(_Strict):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class _SamplingFields(_Strict):
@@ -122,6 +175,10 @@ class _SamplingFields(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, lt=2**63)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -136,6 +193,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     echo: bool | None = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
 
 

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from trio_infer.api import sse
 from trio_infer.api.plans import Plan
+from trio_infer.api.tools import CallStream
 from trio_infer.engine.sampler import TokenLogprob
 from trio_infer.runtime.text_stream import ChoiceDelta, ChoiceText
 
@@ -135,20 +136,29 @@ def _head(plan: Plan, obj: str) -> dict[str, Any]:
     return {"id": plan.id, "object": obj, "created": plan.created, "model": plan.model}
 
 
+def chat_message(plan: Plan, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """A choice's message and finish reason: with tools, the calls parsed out of the text
+    (``finish_reason`` "tool_calls" when the model ended on calls)."""
+    if plan.tools is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    parsed = plan.tools.parse(text)
+    if not parsed.tool_calls:
+        return {"role": "assistant", "content": parsed.content}, finish_reason
+    message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 def chat_response(plan: Plan, choices: Sequence[ChoiceText], texts: TokenText) -> dict[str, Any]:
-    return {
-        **_head(plan, "chat.completion"),
-        "choices": [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c.logprobs, texts) if plan.logprobs is not None else None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ],
-        "usage": usage(plan, choices),
-    }
+    out = []
+    for c in choices:
+        message, finish = chat_message(plan, c.text, c.finish_reason)
+        out.append({
+            "index": c.index,
+            "message": message,
+            "logprobs": chat_logprobs(c.logprobs, texts) if plan.logprobs is not None else None,
+            "finish_reason": finish,
+        })
+    return {**_head(plan, "chat.completion"), "choices": out, "usage": usage(plan, choices)}
 
 
 def _echo_logprobs(plan: Plan, index: int, prompt_lps: Sequence[TokenLogprob | None] | None):  # type: ignore[no-untyped-def]
@@ -180,6 +190,12 @@ class ChunkWriter:
     only the text is JSON-encoded per chunk (with the encoder ``json.dumps(ensure_ascii=False)``
     uses, so the bytes are exactly what :func:`sse.event` of the equivalent object gives). Chunks
     with logprobs, and the rare ones, go through the generic ``sse.event``.
+
+    A request that may call tools streams calls as OpenAI does: per call, a chunk with its index,
+    id and name (arguments ""), then the arguments in pieces as they are generated, then the
+    finish reason. When the grammar constrains the answer, a :class:`~trio_infer.api.tools.
+    CallStream` reads the calls as the text comes; hermes ``auto`` (unconstrained: a call may
+    start anywhere in the text) is held until its choice ends, then written the same way.
     """
 
     def __init__(self, plan: Plan, texts: TokenText) -> None:
@@ -196,6 +212,8 @@ class ChunkWriter:
         head = sse.dumps(self._head)
         self._prefix = 'data: ' + head[:-1] + ',"choices":[{"index":'
         self._want_lp = plan.logprobs is not None
+        # With tools: each choice's call scanner (or its text so far, held); None otherwise.
+        self._calls: dict[int, CallStream | list[str]] | None = {} if plan.tools is not None else None
 
     def first(self) -> list[str]:
         """Chat: the role chunk of each choice. Completions: the echoed prompt, if any (with
@@ -215,6 +233,8 @@ class ChunkWriter:
 
     def delta(self, delta: ChoiceDelta) -> str | None:
         """The event for one choice's delta, or None when there is nothing to say yet."""
+        if self._calls is not None:
+            return self._tool_delta(self._calls, delta)
         index = delta.index
         text = delta.text
         finish = delta.finish_reason
@@ -232,6 +252,48 @@ class ChunkWriter:
             body = ',"text":' + sse.encode_str(text) + ',"logprobs":null,"finish_reason":'
         end = "null}]}\n\n" if finish is None else sse.encode_str(finish) + "}]}\n\n"
         return self._prefix + str(index) + body + end
+
+    def _tool_delta(self, calls: dict[int, CallStream | list[str]], delta: ChoiceDelta) -> str | None:
+        index, finish = delta.index, delta.finish_reason
+        assert self.plan.tools is not None
+        scanner = calls.get(index)
+        if scanner is None:
+            scanner = calls[index] = self.plan.tools.stream() or []
+        events: list[dict[str, Any]] = []
+        if isinstance(scanner, CallStream):
+            for event in scanner.feed(delta.text):
+                events.append(self._call_chunk(index, event))
+            if finish is not None:
+                content = scanner.rest()
+                if content:
+                    events.append(self._chunk(index, {"delta": {"content": content}, "logprobs": None}))
+                if scanner.num_calls and finish == "stop":
+                    finish = "tool_calls"
+        else:  # held until the end, then parsed whole
+            scanner.append(delta.text)
+            if finish is None:
+                return None
+            message, finish = chat_message(self.plan, "".join(scanner), finish)
+            if message["content"]:
+                events.append(self._chunk(index, {"delta": {"content": message["content"]}, "logprobs": None}))
+            for k, call in enumerate(message.get("tool_calls", ())):
+                fn = call["function"]
+                events.append(self._call_chunk(index, ("call", k, call["id"], fn["name"])))
+                events.extend(self._call_chunk(index, ("arguments", k, piece)) for piece in _pieces(fn["arguments"]))
+        if finish is not None:
+            del calls[index]
+            events.append(self._chunk(index, {"delta": {}, "logprobs": None}, finish))
+        return "".join(sse.event(e) for e in events) or None
+
+    def _call_chunk(self, index: int, event: tuple) -> dict[str, Any]:
+        """A ``delta.tool_calls`` chunk: ("call", k, id, name) or ("arguments", k, piece)."""
+        if event[0] == "call":
+            _, k, call_id, name = event
+            call = {"index": k, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+        else:
+            _, k, piece = event
+            call = {"index": k, "function": {"arguments": piece}}
+        return self._chunk(index, {"delta": {"tool_calls": [call]}, "logprobs": None})
 
     def _delta_object(self, index: int, delta: ChoiceDelta) -> dict[str, Any]:
         want_lp = self._want_lp
@@ -259,3 +321,8 @@ class ChunkWriter:
 
     def _chunk(self, index: int, body: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return {**self._head, "choices": [{"index": index, **body, "finish_reason": finish}]}
+
+
+def _pieces(text: str, size: int = 32) -> list[str]:
+    """A call's arguments in pieces, as OpenAI streams them (the client joins them)."""
+    return [text[i : i + size] for i in range(0, len(text), size)]

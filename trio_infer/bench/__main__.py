@@ -1,4 +1,4 @@
-"""``python -m trio_infer.bench {offline,serve,frontend} ...``"""
+"""``python -m trio_infer.bench {offline,serve,frontend,constrained} ...``"""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from trio_infer.bench import frontend, offline, serve
+    from trio_infer.bench import constrained, frontend, offline, serve
 
     parser = argparse.ArgumentParser(
         prog="python -m trio_infer.bench",
@@ -29,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description=frontend.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     )
+    constrained.add_arguments(
+        sub.add_parser("constrained", help="constrained decoding (json_schema) vs unconstrained",
+                       description=constrained.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    )
     return parser
 
 
@@ -38,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         from trio_infer.bench.offline import main as run
     elif args.command == "serve":
         from trio_infer.bench.serve import main as run
+    elif args.command == "constrained":
+        from trio_infer.bench.constrained import main as run
     else:
         from trio_infer.bench.frontend import main as run
     return run(args)

@@ -11,16 +11,23 @@ while ``execute`` runs in another thread: ``execute`` reads only the plan (a sna
 writes only the KV pages the plan owns, and pages are only handed out again by ``schedule``.
 A sequence aborted while its step was in flight is simply skipped by ``commit``.
 ``step()`` does all three, for offline use and tests.
+
+Constrained sequences (``SamplingParams.grammar``) carry their grammar state (engine/grammar.py):
+``execute`` starts computing their token masks in a thread before the forward pass and the
+sampler applies them; ``commit`` advances each matcher by its token and ends the sequence when
+the grammar is complete.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Hashable
 
 import torch
 
 from trio_infer.engine.forward_batch import ForwardBatch
+from trio_infer.engine.grammar import Grammars, TokenMasks
 from trio_infer.engine.kv_cache import KVCache, PagePool
 from trio_infer.engine.model_runner import ModelRunner, PromptRows
 from trio_infer.engine.params import SamplingParams
@@ -29,6 +36,8 @@ from trio_infer.engine.sampler import SampleResult, TokenLogprob
 from trio_infer.engine.scheduler import Schedule, Scheduler
 from trio_infer.engine.sequence import Sequence, Status
 from trio_infer.models.base import CausalLM
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,8 +92,14 @@ class StepPlan:
 
 class Engine:
     def __init__(
-        self, model: CausalLM, config: EngineConfig = EngineConfig(), device: str = "cpu"
+        self,
+        model: CausalLM,
+        config: EngineConfig = EngineConfig(),
+        device: str = "cpu",
+        grammars: Grammars | None = None,
     ) -> None:
+        """``grammars`` compiles the grammars of constrained requests (it needs the tokenizer);
+        without it, a request with a grammar is refused."""
         info = model.info
         self.model = model
         self.config = config
@@ -121,6 +136,7 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.kv_cache, self.device)
         self._seqs: dict[Hashable, Sequence] = {}
+        self.grammars = grammars
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -137,6 +153,11 @@ class Engine:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len}"
             )
+        matcher = None
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this engine has no tokenizer for constrained decoding")
+            matcher = self.grammars.matcher(params.grammar)  # ValueError if it does not compile
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -147,6 +168,7 @@ class Engine:
             params=params,
             max_len=self.max_model_len,
             generator=generator,
+            matcher=matcher,
         )
         if params.prompt_logprobs is not None:
             seq.prompt_lps = [None]  # the first prompt token has no context
@@ -160,6 +182,7 @@ class Engine:
             return False
         self.scheduler.remove(seq)
         seq.finish_reason = "abort"
+        seq.matcher = None
         return True
 
     def set_ready(self, uid: Hashable, ready: bool) -> None:
@@ -179,7 +202,14 @@ class Engine:
         return StepPlan(schedule, batch, sampling, prompt_rows)
 
     def execute(self, plan: StepPlan) -> SampleResult:
-        return self.runner.run(plan.batch, plan.sampling, plan.prompt_rows)
+        # The masks of the constrained rows are computed in a thread while the model runs; the
+        # sampler waits for them. The thread is joined before this returns, whatever happens.
+        masks = TokenMasks.start(self.grammars, [seq.matcher for seq in plan.sampling])
+        try:
+            return self.runner.run(plan.batch, plan.sampling, plan.prompt_rows, masks)
+        finally:
+            if masks is not None:
+                masks.join()  # the sampler waited already, unless the forward pass raised
 
     def commit(self, plan: StepPlan, result: SampleResult) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -205,11 +235,15 @@ class Engine:
                     outputs.append(self._finish_unsampled(seq))
                 continue
             seq.token_ids.append(token)
+            if seq.matcher is not None and not seq.matcher.consume_token(token):
+                # Not reachable with the mask applied; the grammar's stop ends the sequence.
+                log.warning("grammar rejected token %d of %r: %s", token, seq.uid, seq.matcher.get_error())
             reason, stop_token = self._stop_reason(seq, token)
             if reason is not None:
                 self.scheduler.remove(seq)
                 del self._seqs[seq.uid]
                 seq.finish_reason = reason
+                seq.matcher = None
             prompt_lps = None
             if seq.prompt_lps is not None:  # the first output: hand them over
                 prompt_lps, seq.prompt_lps = seq.prompt_lps, None
@@ -231,6 +265,7 @@ class Engine:
         self.scheduler.remove(seq)
         del self._seqs[seq.uid]
         seq.finish_reason = "length"
+        seq.matcher = None
         prompt_lps, seq.prompt_lps = seq.prompt_lps, None
         return RequestOutput(
             uid=seq.uid,
@@ -273,6 +308,11 @@ class Engine:
         return bool(self._seqs)
 
     @property
+    def num_matchers(self) -> int:
+        """Sequences holding grammar state (0 when idle: every exit drops it)."""
+        return sum(1 for seq in self._seqs.values() if seq.matcher is not None)
+
+    @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
@@ -299,6 +339,9 @@ class Engine:
         p = seq.params
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             return "stop", token
+        if seq.matcher is not None and seq.matcher.is_stopped():
+            # The grammar is complete (it took EOS, or nothing can follow): ignore_eos or not.
+            return "stop", token if token in self.eos_token_ids else None
         if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             return "length", None
         if len(seq.token_ids) >= seq.max_len:

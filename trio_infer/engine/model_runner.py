@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from trio_infer.engine.forward_batch import ForwardBatch
+from trio_infer.engine.grammar import TokenMasks
 from trio_infer.engine.kv_cache import KVCache
 from trio_infer.engine.sampler import SampleResult, prompt_logprobs, sample
 from trio_infer.engine.scheduler import Schedule
@@ -97,13 +98,18 @@ class ModelRunner:
         return batch, rows
 
     def run(
-        self, batch: ForwardBatch, sampling: list[Sequence], prompt_rows: PromptRows | None = None
+        self,
+        batch: ForwardBatch,
+        sampling: list[Sequence],
+        prompt_rows: PromptRows | None = None,
+        masks: TokenMasks | None = None,
     ) -> SampleResult:
         """Forward pass and sampling; ``sampling`` lists the sequences in logits-row order, and
-        ``prompt_rows`` the rows after theirs."""
+        ``prompt_rows`` the rows after theirs. ``masks``: the grammar masks of the constrained
+        rows, being computed while the model runs (engine/grammar.py)."""
         with torch.inference_mode():  # per thread: the runtime calls this from a worker thread
             logits = self.model.forward(batch, self.kv_cache.k, self.kv_cache.v)
-            result = sample(logits[: len(sampling)], sampling) if sampling else SampleResult([], [])
+            result = sample(logits[: len(sampling)], sampling, masks) if sampling else SampleResult([], [])
             if prompt_rows is not None:
                 result.prompt_logprobs.extend(prompt_logprobs(
                     logits[len(sampling) :], prompt_rows.targets, prompt_rows.top_k

@@ -16,6 +16,10 @@ class SamplingParams:
     the ``k`` most likely alternatives (k may be 0). ``prompt_logprobs=k`` does the same for every
     prompt token but the first (which has no context: its entry is None), computed from the
     prefill's own logits and delivered with the sequence's first output.
+    ``grammar`` constrains the output: the JSON text of an llguidance grammar (the front end builds
+    and validates it, ``api/structured.py``); the engine compiles it and masks every step's logits
+    with it (``engine/grammar.py``). Such a sequence ends only when its grammar is complete (EOS,
+    or nothing more can follow), or by ``max_tokens`` or the context ("length").
     """
 
     max_tokens: int | None = None
@@ -30,6 +34,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 0:

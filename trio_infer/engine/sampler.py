@@ -10,6 +10,11 @@ requests share the batch.
 
 Logprobs are those of the model's distribution after penalties, before temperature and
 truncation (what vLLM reports by default). Prompt logprobs are the model's raw distribution.
+
+A constrained row (a grammar, ``engine/grammar.py``) has every token its grammar forbids set to
+-inf after the penalties and before anything else: its logprobs are those of the constrained
+distribution (as vLLM's), so the chosen token's is always finite. Other rows are untouched, so an
+unconstrained request samples the same tokens whoever shares its batch.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trio_infer.engine.grammar import TokenMasks
 from trio_infer.engine.sequence import Sequence
 
 
@@ -60,8 +66,9 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], top_k: list[int]) 
     return out
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-    """logits: [N, V] fp32, row i for ``seqs[i]``. May modify ``logits`` in place."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None = None) -> SampleResult:
+    """logits: [N, V] fp32, row i for ``seqs[i]``. May modify ``logits`` in place. ``masks``:
+    the grammar masks of the constrained rows."""
     params = [s.params for s in seqs]
     vocab = logits.shape[-1]
 
@@ -70,6 +77,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
             out = torch.tensor(seqs[i].output_ids, device=logits.device)
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+    if masks is not None:
+        masks.apply(logits)
 
     lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 import torch
 
@@ -49,6 +49,9 @@ class Sequence:
     finish_reason: str | None = None
     prompt_lps: list[TokenLogprob | None] | None = None  # None: not asked, or already delivered
     lp_next: int = 0  # first position whose row still has to give a prompt logprob
+    # The grammar state of a constrained sequence (an llguidance matcher that has consumed every
+    # output token), None otherwise; dropped when the sequence ends (engine/grammar.py).
+    matcher: Any = None
 
     @property
     def num_output_tokens(self) -> int:

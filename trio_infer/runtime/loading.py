@@ -30,8 +30,8 @@ def resolve_device(settings: Settings) -> str:
 
 
 def build_tokenizer(settings: Settings) -> Any:
-    """The tokenizer of the model the settings name (the front end needs it; the worker only for
-    the fake model, whose vocabulary is the tokenizer's)."""
+    """The tokenizer of the model the settings name (the front end needs it; the worker for the
+    grammars of constrained requests, and for the fake model's vocabulary)."""
     from trio_infer.models.loader import load_tokenizer
 
     if settings.model == FAKE_MODEL:
@@ -66,7 +66,7 @@ def build_engine(settings: Settings) -> Engine:
             name=settings.served_model_name or FAKE_MODEL,
             step_s=settings.fake_step_ms / 1000,
         )
-        return Engine(model, config, device="cpu")
+        return Engine(model, config, device="cpu", grammars=build_grammars(model, tokenizer))
 
     from trio_infer.models.loader import load_model, resolve_model_path
 
@@ -75,4 +75,13 @@ def build_engine(settings: Settings) -> Engine:
     model = load_model(path, dtype=dtype, device=device, served_name=settings.served_model_name,
                        keep_blocks=None if settings.keep_gguf_blocks else False,
                        int16_activations=settings.int16_activations)
-    return Engine(model, config, device=device)
+    return Engine(model, config, device=device, grammars=build_grammars(model, build_tokenizer(settings)))
+
+
+def build_grammars(model: Any, tokenizer: Any) -> Any:
+    """The compiler of constrained requests' grammars, over the model's vocabulary (its logits
+    may be wider than the tokenizer: those ids are never allowed)."""
+    from trio_infer.engine.grammar import Grammars
+
+    info = model.info
+    return Grammars.for_hf_tokenizer(tokenizer, info.vocab_size, info.eos_token_ids)

@@ -1,0 +1,154 @@
+"""Constrained decoding in the engine: per-sequence grammar state and the step's token masks.
+
+The grammar engine is llguidance (docs/structured-output.md says why). A constrained sequence
+carries a *grammar source* in its :class:`~trio_infer.engine.params.SamplingParams` (the JSON
+text of an llguidance grammar, built and validated by the front end); the engine compiles it
+into an ``LLMatcher`` when the request is added and keeps the matcher on the
+:class:`~trio_infer.engine.sequence.Sequence`, so it lives exactly as long as the sequence:
+
+* created in ``Engine.add_request`` (compiling is cached by source: a second request with the
+  same schema copies a compiled matcher instead of compiling again);
+* advanced in ``Engine.commit`` by every token the sequence accepts;
+* dropped with the sequence on every way out (finish, abort, a failed step, the worker's death);
+  preemption keeps every token, so the matcher, which has consumed exactly those tokens, stays
+  valid while the sequence is recomputed.
+
+Each step, :class:`TokenMasks` computes the masks of the constrained sequences that sample, in a
+thread started before the forward pass (llguidance and torch release the GIL while they compute,
+so the masks overlap the model): llguidance's packed bitmask, then the additive bias the sampler
+needs (0 where allowed, -inf elsewhere). The sampler then adds it to the constrained rows, one
+tensor op on the stepping thread. Unconstrained rows are never touched.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Sequence as Seq
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import numpy as np
+import torch
+
+
+class Grammars:
+    """Compiles grammar sources for one tokenizer (llguidance's view of it, over the model's
+    ``vocab_size``), with a bounded cache of compiled matchers.
+
+    ``matcher(source)`` gives a fresh matcher (a copy of the cached compiled one). It raises
+    ValueError for a grammar that does not compile (the front end validated it already; this is
+    a safety net for the worker).
+    """
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, vocab_size: int, cache_size: int = 64) -> None:
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cache_size = cache_size
+        # Mask computation runs llguidance's own thread pool (Rust, no GIL): at most 2 threads, so
+        # it never competes with torch for more than a core's share on a small machine.
+        self.executor = llguidance.LLExecutor(num_threads=2)
+
+    @classmethod
+    def for_hf_tokenizer(cls, tokenizer: Any, vocab_size: int, eos_token_ids: Seq[int]) -> Grammars:
+        """For a Hugging Face tokenizer; the model's logits may be wider than its vocabulary
+        (padding ids, never allowed), and its EOS ids are the engine's."""
+        return cls(llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
+        ), vocab_size)
+
+    def matcher(self, source: str) -> llguidance.LLMatcher:
+        compiled = self._cache.get(source)
+        if compiled is None:
+            compiled = llguidance.LLMatcher(self.tokenizer, source)
+            if compiled.is_error():
+                raise ValueError(f"the grammar does not compile: {compiled.get_error()}")
+            self._cache[source] = compiled
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(source)
+        return compiled.deep_copy()
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
+
+
+class TokenMasks:
+    """The token masks of one step's constrained rows, computed in a thread.
+
+    ``rows`` are the logits rows (sampling order) of the constrained sequences. The thread is
+    started by :meth:`start` and always joined (the sampler waits for it; the engine joins it in
+    a ``finally`` too), so no thread outlives its step.
+    """
+
+    def __init__(self, grammars: Grammars, rows: list[int], matchers: list[llguidance.LLMatcher]) -> None:
+        self.rows = rows
+        self._matchers = matchers
+        self._grammars = grammars
+        self.bitmask = llguidance.torch.allocate_token_bitmask(len(rows), grammars.vocab_size)
+        self.bias: torch.Tensor | None = None  # [len(rows), vocab]: 0 allowed, -inf forbidden
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._compute, name="token-masks", daemon=True)
+
+    @classmethod
+    def start(cls, grammars: Grammars | None, matchers: Seq[Any]) -> TokenMasks | None:
+        """Start computing the masks of the rows whose matcher is not None; None if there are none."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows or grammars is None:
+            return None
+        masks = cls(grammars, rows, [matchers[i] for i in rows])
+        masks._thread.start()
+        return masks
+
+    def _compute(self) -> None:
+        try:
+            llguidance.torch.fill_next_token_bitmask_par(
+                self._grammars.executor, [(m, j) for j, m in enumerate(self._matchers)], self.bitmask
+            )
+            # numpy, single-threaded: torch ops in this thread would start an OpenMP team of
+            # their own (the thread count is per thread) and fight the forward pass for cores.
+            allowed = _unpack(self.bitmask, self._grammars.vocab_size)
+            self.bias = torch.from_numpy(np.take(_BIAS, allowed.view(np.uint8)))
+        except BaseException as exc:  # re-raised in the stepping thread by wait()
+            self._error = exc
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def wait(self) -> None:
+        """Join the thread; raise what it raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set the logits of every token the grammar forbids to -inf, in the constrained rows
+        only (adding 0 leaves an allowed logit exactly as it was). ``logits`` is [N, V] with V
+        the grammars' vocabulary (the model's)."""
+        self.wait()
+        assert self.bias is not None
+        bias = self.bias.to(logits.device, logits.dtype)
+        if len(self.rows) == logits.shape[0]:  # every row constrained: in place, no gather
+            logits += bias
+        else:
+            rows = torch.tensor(self.rows, dtype=torch.int64, device=logits.device)
+            logits.index_add_(0, rows, bias)
+
+
+_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # forbidden, allowed (a gather: np.where is 4x slower)
+
+
+def _unpack(bitmask: torch.Tensor, vocab: int) -> np.ndarray:
+    """llguidance's packed int32 bitmask [R, ceil(V/32)] as a bool array [R, vocab]: bit b of
+    word w is token 32*w + b, little-endian, so bit k of byte j is token 8*j + k."""
+    packed = bitmask.numpy().view(np.uint8)
+    return np.unpackbits(packed, axis=1, count=vocab, bitorder="little").view(np.bool_)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """:func:`_unpack` as a torch tensor."""
+    return torch.from_numpy(_unpack(bitmask, vocab))
