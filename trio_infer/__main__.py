@@ -102,10 +102,12 @@ async def serve(settings: Settings, *, task_status: Any = trio.TASK_STATUS_IGNOR
     # would also cut any request the client waits on longer than it without sending anything.
     config.keep_alive_timeout = settings.keep_alive_timeout_s
     # hypercorn 0.18 under quart-trio lost the idle timer after every response (trio_infer/keepalive.py).
-    from trio_infer.keepalive import patch_keep_alive
+    from trio_infer.keepalive import ConnectionCap, patch_keep_alive
 
     if not patch_keep_alive():
-        log.warning("hypercorn is not 0.18: idle keep-alive connections may never be closed")
+        log.warning("hypercorn is not 0.18: idle keep-alive connections may never be closed, "
+                    "and max_connections is not enforced")
+    config.connection_cap = ConnectionCap(settings.max_connections)
     config.h11_max_incomplete_size = settings.max_header_bytes
     config.h2_max_header_list_size = settings.max_header_bytes
     config.accesslog = None

@@ -1,4 +1,5 @@
-"""A fix for hypercorn 0.18's keep-alive timeout under quart-trio, applied by ``serve()``.
+"""What ``serve()`` adds to hypercorn 0.18: a fix of its keep-alive timeout under quart-trio, and
+a cap on concurrent connections, which hypercorn lacks.
 
 After a response, hypercorn's HTTP/1.1 protocol ends the request (``_maybe_recycle``): it first
 sends the app ``http.disconnect``, then restarts the connection's idle timer
@@ -14,6 +15,12 @@ connection's task group, as hypercorn intends. And after a ``Connection: close``
 timer is started too (hypercorn started none: the socket stayed open as long as the client
 kept it). ``tests/runtime/test_connection_limits.py``
 proves it against a real server (and fails without it).
+
+The cap (:class:`ConnectionCap`, set on the hypercorn config by ``serve()``) counts the
+connections being served; one past the cap gets a 503 in the OpenAI envelope with
+``Connection: close`` and is closed at once, before hypercorn reads from it: accepting and
+closing is how a flood is refused fast, where leaving connections in the listen backlog would let
+them pile up until file descriptors run out.
 """
 
 from __future__ import annotations
@@ -23,6 +30,34 @@ from typing import Any
 import trio
 
 _APPLIED = False
+
+# What a connection past the cap reads: a whole HTTP/1.1 response, then the close.
+_REFUSAL_BODY = (
+    b'{"error":{"message":"too many open connections to this server; retry later",'
+    b'"type":"service_unavailable","param":null,"code":"too_many_connections"}}'
+)
+REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    b"retry-after: 1\r\nconnection: close\r\ncontent-length: "
+    + str(len(_REFUSAL_BODY)).encode() + b"\r\n\r\n" + _REFUSAL_BODY
+)
+
+
+class ConnectionCap:
+    """How many client connections one server may hold open; set as ``config.connection_cap``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+
+
+async def _refuse(stream: Any) -> None:
+    with trio.move_on_after(1):  # a client that does not read gets the close without it
+        try:
+            await stream.send_all(REFUSAL)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    await trio.aclose_forcefully(stream)
 
 
 def patch_keep_alive() -> bool:
@@ -44,6 +79,18 @@ def patch_keep_alive() -> bool:
         return False
 
     class KeepAliveTCPServer(TCPServer):
+        async def run(self) -> None:
+            cap: ConnectionCap | None = getattr(self.config, "connection_cap", None)
+            if cap is None:
+                return await super().run()
+            if cap.open >= cap.limit:
+                return await _refuse(self.stream)
+            cap.open += 1
+            try:
+                await super().run()
+            finally:
+                cap.open -= 1
+
         async def protocol_send(self, event: Any) -> None:
             if isinstance(event, Updated) and event.idle:
                 with trio.CancelScope(shield=True):  # restarting the timer takes no time

@@ -4,8 +4,8 @@ each limit is tripped by a raw socket while another client is served meanwhile.
 The limits (README, "Connection limits"): ``keep_alive_timeout_s`` closes a connection that has
 not sent a complete request head in time (idle keep-alive and header slowloris alike) but never
 one whose request is being answered; ``max_header_bytes`` refuses a bigger head with 431;
-``body_timeout_s`` answers 408 to a body that trickles in too slowly. hypercorn 0.18 has no cap
-on concurrent connections; ``test_idle_connections_are_reclaimed`` shows what bounds them. An
+``body_timeout_s`` answers 408 to a body that trickles in too slowly; ``max_connections`` (which
+hypercorn 0.18 lacks: trio_infer/keepalive.py adds it) refuses one connection more at once. An
 idle keep-alive connection is closed after a response too only thanks to trio_infer/keepalive.py.
 """
 
@@ -29,6 +29,7 @@ from .test_worker_process import free_port, health, wait_for
 KEEP_ALIVE_S = 1.0
 BODY_TIMEOUT_S = 1.0
 MAX_HEADER_BYTES = 4096
+MAX_CONNECTIONS = 32
 SLACK_S = 1.5  # scheduling on a busy 2-core machine
 
 
@@ -40,7 +41,8 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         [sys.executable, "-m", "trio_infer", "serve", "--model", "fake", "--fake-step-ms", "5",
          "--port", str(port), "--cache-dir", str(tmp_path_factory.mktemp("cache")),
          "--keep-alive-timeout-s", str(KEEP_ALIVE_S), "--body-timeout-s", str(BODY_TIMEOUT_S),
-         "--max-header-bytes", str(MAX_HEADER_BYTES), "--shutdown-grace-s", "0"],
+         "--max-header-bytes", str(MAX_HEADER_BYTES), "--max-connections", str(MAX_CONNECTIONS),
+         "--shutdown-grace-s", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -235,9 +237,9 @@ def test_headers_over_the_limit_get_431(url: str) -> None:
 
 
 def test_idle_connections_are_reclaimed(url: str) -> None:
-    """No cap on connections in hypercorn 0.18: 300 connections that send nothing all get in, the
-    server serves others meanwhile, and every one is closed after the keep-alive timeout."""
-    socks = [connect(url) for _ in range(300)]
+    """Connections that send nothing, as many as the cap leaves room for, all get in, the server
+    serves others meanwhile, and every one is closed after the keep-alive timeout."""
+    socks = [connect(url) for _ in range(MAX_CONNECTIONS // 2)]  # room for earlier tests' leftovers
     served(url)
     start = time.monotonic()
     for sock in socks:
@@ -246,3 +248,31 @@ def test_idle_connections_are_reclaimed(url: str) -> None:
         sock.close()
     assert time.monotonic() - start < KEEP_ALIVE_S + SLACK_S + 1
     served(url)
+
+
+def test_connections_past_the_cap_are_refused_at_once(url: str) -> None:
+    """With ``max_connections`` open, one more reads a 503 in the OpenAI envelope and is closed
+    at once (its file descriptor freed); a stream already running goes on to its end; once the
+    idle connections are closed (keep-alive timeout), new clients are served again."""
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=20) as client, client.stream("POST", url + "/v1/completions",
+                                                            json=body) as stream:
+        assert stream.status_code == 200
+        socks = [connect(url) for _ in range(MAX_CONNECTIONS + 5)]  # the stream holds one more
+        replies = [read_until_closed(sock, timeout=KEEP_ALIVE_S + SLACK_S + 5) for sock in socks]
+        for sock in socks:
+            sock.close()
+        refused = [(data, took) for data, took in replies if data]
+        assert len(refused) >= 6, [len(d) for d, _ in replies]
+        for data, _ in refused:
+            head, _, payload = data.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503") and b"connection: close" in head.lower()
+            assert json.loads(payload)["error"]["code"] == "too_many_connections"
+        # The others were let in and then closed, idle, after the keep-alive timeout.
+        assert all(data == b"" for data, _ in replies if not data.startswith(b"HTTP"))
+        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+        assert not any("error" in e for e in events)
+        assert events[-1]["choices"][0]["finish_reason"] == "length"  # all 200 tokens
+    wait_for(lambda: health(url) == 200, 10, "a new connection to be served")
+    served(url)
+
