@@ -248,6 +248,7 @@ _BAD: list[tuple[dict[str, Any], str]] = [
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
     ({"messages": [{"role": "user"}]}, "messages.0.content"),
     ({"tools": [SEARCH], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [SEARCH], "logprobs": True}, "logprobs"),  # streamed (the body above streams)
 ]
 
 

@@ -244,6 +244,12 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits) -
         )
     if tools is not None:
         grammar = tools.grammar
+        if req.stream and req.logprobs:
+            raise APIError(
+                400, "'logprobs' cannot be streamed for a request whose answer may be a tool "
+                "call on this server; send 'stream': false, or 'tool_choice': 'none'.",
+                param="logprobs",
+            )
     prompt_ids = render_chat(tokenizer, req.messages, tools=tools)
     check_context(len(prompt_ids), max_tokens, limits, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
