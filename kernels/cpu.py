@@ -83,22 +83,22 @@ def build(directory: Path | None = None) -> Path:
     return target
 
 
-@functools.cache
-def load() -> CpuKernels | None:
-    """The kernels, built if needed; None where they cannot run (the torch path is used then)."""
-    if os.environ.get("TRIO_INFER_KERNELS", "") == "reference" or not cpu_supported():
-        return None
-    try:
-        return CpuKernels(ctypes.CDLL(str(build())))
-    except (BuildError, OSError):
-        return None
-
-
 def require() -> CpuKernels:
     """The kernels, or BuildError saying why they are unavailable (for tests and the bench)."""
     if not cpu_supported():
         raise BuildError(f"this CPU lacks one of {', '.join(REQUIRED_CPU_FLAGS)}")
     return CpuKernels(ctypes.CDLL(str(build())))
+
+
+@functools.cache
+def load() -> CpuKernels | None:
+    """The kernels, built if needed; None where they cannot run (the torch path is used then)."""
+    if os.environ.get("TRIO_INFER_KERNELS", "") == "reference":
+        return None
+    try:
+        return require()
+    except (BuildError, OSError):
+        return None
 
 
 @dataclass(frozen=True)

@@ -185,41 +185,23 @@ static void block_sums(const float *x, int K, float *out) {
     }
 }
 
-/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M < FEW_ROWS. */
-static void linear_few_rows(int fmt, const float *x, int M, int K, const uint8_t *w,
-                            size_t row_bytes, int N, const float *bias, float *y, int nthreads) {
-    const int nb = K / 32;
-    float *xsum = malloc((size_t)M * nb * sizeof(float));
-    for (int m = 0; m < M; m++) block_sums(x + (size_t)m * K, K, xsum + (size_t)m * nb);
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *row = w + (size_t)n * row_bytes;
-        for (int m = 0; m < M; m++)
-            y[(size_t)m * N + n] = dot_row(fmt, row, x + (size_t)m * K, xsum + (size_t)m * nb, nb)
-                                   + (bias ? bias[n] : 0.0f);
-    }
-    free(xsum);
-}
-
 /* The int16-activation variant (opt-in; not exact, relative error ~5e-5): each 32-block of x is
  * rounded to int16 with its own scale, so a block's dot product is integer multiply-adds of
  * the weights' codes widened to int16 (madd: 16 products and 8 sums in one instruction)
  * instead of 32 int-to-float conversions and FMAs. The weights' offset term (Q4_1's m, Q4_0's
  * -8d) uses the exact float sums of x. */
-static void quantize_row_q16(const float *x, int K, int16_t *qx, float *dx, float *xs) {
+static void quantize_row_q16(const float *x, int K, int16_t *qx, float *dx) {
     for (int b = 0; b < K / 32; b++) {
         const float *xb = x + b * 32;
-        float amax = 0.0f, sum = 0.0f;
+        float amax = 0.0f;
         for (int i = 0; i < 32; i++) {
             const float a = fabsf(xb[i]);
             if (a > amax) amax = a;
-            sum += xb[i];
         }
         const float d = amax / 32767.0f;
         const float id = d > 0.0f ? 1.0f / d : 0.0f;
         for (int i = 0; i < 32; i++) qx[b * 32 + i] = (int16_t)lrintf(xb[i] * id);
         dx[b] = d;
-        xs[b] = sum;
     }
 }
 
@@ -252,27 +234,32 @@ static float dot_row_q16(int fmt, const uint8_t *row, const int16_t *qx, const f
     return hsum(acc) + macc;
 }
 
-static void linear_few_rows_q16(int fmt, const float *x, int M, int K, const uint8_t *w,
-                                size_t row_bytes, int N, const float *bias, float *y,
-                                int nthreads) {
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M < FEW_ROWS: exact (dot_row), or with x rounded to
+ * int16 first (dot_row_q16). Both need the float sums of x's blocks. */
+static void linear_few_rows(int fmt, const float *x, int M, int K, const uint8_t *w,
+                            size_t row_bytes, int N, const float *bias, float *y,
+                            int int16_activations, int nthreads) {
     const int nb = K / 32;
-    int16_t *qx = aligned_alloc(64, (size_t)M * K * 2 + 64);
-    float *dx = malloc((size_t)M * nb * sizeof(float));
-    float *xs = malloc((size_t)M * nb * sizeof(float));
-    for (int m = 0; m < M; m++)
-        quantize_row_q16(x + (size_t)m * K, K, qx + (size_t)m * K, dx + (size_t)m * nb,
-                         xs + (size_t)m * nb);
+    float *xsum = malloc((size_t)M * nb * sizeof(float));
+    int16_t *qx = int16_activations ? aligned_alloc(64, (size_t)M * K * 2 + 64) : NULL;
+    float *dx = int16_activations ? malloc((size_t)M * nb * sizeof(float)) : NULL;
+    for (int m = 0; m < M; m++) {
+        block_sums(x + (size_t)m * K, K, xsum + (size_t)m * nb);
+        if (qx) quantize_row_q16(x + (size_t)m * K, K, qx + (size_t)m * K, dx + (size_t)m * nb);
+    }
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = w + (size_t)n * row_bytes;
-        for (int m = 0; m < M; m++)
-            y[(size_t)m * N + n] = dot_row_q16(fmt, row, qx + (size_t)m * K, dx + (size_t)m * nb,
-                                               xs + (size_t)m * nb, nb)
-                                   + (bias ? bias[n] : 0.0f);
+        for (int m = 0; m < M; m++) {
+            const float *xs = xsum + (size_t)m * nb;
+            const float dot = qx ? dot_row_q16(fmt, row, qx + (size_t)m * K, dx + (size_t)m * nb, xs, nb)
+                                 : dot_row(fmt, row, x + (size_t)m * K, xs, nb);
+            y[(size_t)m * N + n] = dot + (bias ? bias[n] : 0.0f);
+        }
     }
+    free(xsum);
     free(qx);
     free(dx);
-    free(xs);
 }
 
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ bias). W's rows are ``row_bytes`` apart, in ``fmt``.
@@ -282,12 +269,8 @@ int tri_linear(int fmt, const float *x, int M, int K, const uint8_t *w, size_t r
                const float *bias, float *y, int int16_activations, int nthreads) {
     if (K % 32 != 0 || tri_block_bytes(fmt) == 0)
         return -1;
-    if (M < FEW_ROWS && int16_activations) {
-        linear_few_rows_q16(fmt, x, M, K, w, row_bytes, N, bias, y, nthreads);
-        return 0;
-    }
     if (M < FEW_ROWS) {
-        linear_few_rows(fmt, x, M, K, w, row_bytes, N, bias, y, nthreads);
+        linear_few_rows(fmt, x, M, K, w, row_bytes, N, bias, y, int16_activations, nthreads);
         return 0;
     }
     const int tiles = (N + NT - 1) / NT;

@@ -141,8 +141,7 @@ def decode_profile(path: Path, threads: int, batch: int, prompts: list[list[int]
                    steps: int, warmup: int = 2) -> list[float]:
     """Seconds per decode step of ``batch`` sequences after their prompts (one per sequence)."""
     context = max(len(p) for p in prompts)
-    llm = LlamaCpp(path, threads, batch, context + steps + warmup + 8,
-                   max(512, batch, max(len(p) for p in prompts)))
+    llm = LlamaCpp(path, threads, batch, context + steps + warmup + 8, max(512, batch, context))
     try:
         last: list[int] = []
         for s, prompt in enumerate(prompts):

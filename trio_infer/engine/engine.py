@@ -177,12 +177,10 @@ class Engine:
 
     def abort(self, uid: Hashable) -> bool:
         """Drop a request wherever it is, freeing its pages. False if it is unknown or done."""
-        seq = self._seqs.pop(uid, None)
+        seq = self._seqs.get(uid)
         if seq is None:
             return False
-        self.scheduler.remove(seq)
-        seq.finish_reason = "abort"
-        seq.matcher = None
+        self._retire(seq, "abort")
         return True
 
     def set_ready(self, uid: Hashable, ready: bool) -> None:
@@ -240,10 +238,7 @@ class Engine:
                 log.warning("grammar rejected token %d of %r: %s", token, seq.uid, seq.matcher.get_error())
             reason, stop_token = self._stop_reason(seq, token)
             if reason is not None:
-                self.scheduler.remove(seq)
-                del self._seqs[seq.uid]
-                seq.finish_reason = reason
-                seq.matcher = None
+                self._retire(seq, reason)
             prompt_lps = None
             if seq.prompt_lps is not None:  # the first output: hand them over
                 prompt_lps, seq.prompt_lps = seq.prompt_lps, None
@@ -261,11 +256,16 @@ class Engine:
             )
         return outputs
 
-    def _finish_unsampled(self, seq: Sequence) -> RequestOutput:
-        self.scheduler.remove(seq)
+    def _retire(self, seq: Sequence, reason: str) -> None:
+        """The one way a sequence leaves the engine: its pages go back (scheduler), its grammar
+        state is dropped, its finish reason set."""
         del self._seqs[seq.uid]
-        seq.finish_reason = "length"
+        self.scheduler.remove(seq)
+        seq.finish_reason = reason
         seq.matcher = None
+
+    def _finish_unsampled(self, seq: Sequence) -> RequestOutput:
+        self._retire(seq, "length")
         prompt_lps, seq.prompt_lps = seq.prompt_lps, None
         return RequestOutput(
             uid=seq.uid,
