@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
@@ -23,16 +22,15 @@ from .helpers import (
     read_until,
     running,
 )
-from trio_infer.models.fake import expected_next_token
+from trio_infer.models.fake import expected_next_token, logprob
 from trio_infer.models.synthetic import IM_END
 
 
 def fake_lp(tokenizer: Any, ids: list[int], i: int) -> tuple[float, int]:
     """The fake model's logprob of ``ids[i]`` after ``ids[:i]``, and its best token there."""
-    vocab = len(tokenizer)
-    best = expected_next_token(ids[:i], vocab, tokenizer.convert_tokens_to_ids(IM_END))
-    norm = math.log(math.e + vocab - 1)  # one-hot logits: 1 on the best token, 0 elsewhere
-    return (1.0 if ids[i] == best else 0.0) - norm, best
+    vocab, eos = len(tokenizer), tokenizer.convert_tokens_to_ids(IM_END)
+    best = expected_next_token(ids[:i], vocab, eos)
+    return logprob(ids[:i], ids[i], vocab, eos), best
 
 
 def token_text(tokenizer: Any, t: int) -> str:
@@ -52,7 +50,8 @@ def check_prompt_logprobs(tokenizer: Any, lp: dict, ids: list[int]) -> None:
         want, best = fake_lp(tokenizer, ids, i)
         assert lp["token_logprobs"][i] == pytest.approx(want, abs=1e-5)
         [(text, value)] = lp["top_logprobs"][i].items()  # logprobs: 1
-        assert text == token_text(tokenizer, best) and value == pytest.approx(1 - math.log(math.e + len(tokenizer) - 1), abs=1e-5)
+        assert text == token_text(tokenizer, best)
+        assert value == pytest.approx(fake_lp(tokenizer, ids[: i] + [best], i)[0], abs=1e-5)
 
 
 @pytest.fixture
@@ -107,7 +106,7 @@ async def test_echo_with_logprobs_scores_the_prompt_then_the_completion(app, tok
         assert len(lp["tokens"]) == len(ids[j]) + 1
         check_prompt_logprobs(tokenizer, lp, ids[j])
         [nxt] = expected(tokenizer, ids[j], 1)
-        assert lp["token_logprobs"][-1] == pytest.approx(1 - math.log(math.e + len(tokenizer) - 1), abs=1e-5)
+        assert lp["token_logprobs"][-1] == pytest.approx(fake_lp(tokenizer, ids[j] + [nxt], len(ids[j]))[0], abs=1e-5)
         assert lp["text_offset"][-1] == len(tokenizer.decode(ids[j]))
         assert c["text"] == tokenizer.decode(ids[j]) + tokenizer.decode([nxt])
     assert body["usage"]["completion_tokens"] == 2

@@ -305,3 +305,25 @@ def test_abort_after_a_cache_hit_accounts_pages_exactly() -> None:
     # Every cached page is now held by the cache alone, and can all be evicted.
     engine.prefix_cache.clear()
     assert engine.pool.num_used == 0
+
+
+def test_sampling_meets_eos_only_where_the_fake_model_expects_it() -> None:
+    """At the API's default temperature the fake model's text is random (seeds matter), but EOS
+    comes only where :func:`expected_next_token` puts it, so a test that counts tokens without
+    ``ignore_eos`` knows the count. With EOS's logit at 0 like every other token's, about half
+    of these sequences met EOS by chance (and API tests failed at random on fresh clones)."""
+    model = FakeModel(vocab_size=VOCAB)
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=512, max_running=32))
+    prompts = {i: [i + 1, 2 * i + 3] for i in range(32)}
+    for uid, p in prompts.items():
+        engine.add_request(uid, p, SamplingParams(temperature=2.0, seed=uid, max_tokens=64))
+    outs = drain(engine)
+    for uid, p in prompts.items():
+        got = [t for o in outs[uid] for t in o.token_ids]
+        if outs[uid][-1].finish_reason == "stop":
+            assert model.next_token(p + got[:-1]) == model.eos_token_id
+        else:
+            assert len(got) == 64 and model.eos_token_id not in got
+    texts = {tuple(t for o in outs[u] for t in o.token_ids) for u in prompts}
+    assert len(texts) == len(prompts)  # sampled, not greedy: every seed its own text
+    assert_clean(engine)

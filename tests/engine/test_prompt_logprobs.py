@@ -3,7 +3,6 @@ correct across chunked prefill, prefix-cache hits, preemption and ``max_tokens=0
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from trio_infer.engine.engine import Engine, EngineConfig, RequestOutput
 from trio_infer.engine.params import SamplingParams
-from trio_infer.models.fake import FakeModel
+from trio_infer.models.fake import FakeModel, logprob
 from trio_infer.models.loader import load_model
 
 K = 3
@@ -115,10 +114,8 @@ def test_max_tokens_zero_prefills_and_samples_nothing(model, hf) -> None:
 
 
 def fake_logprob(model: FakeModel, ids: list[int], i: int) -> float:
-    """The fake model's logprob of ``ids[i]`` (one-hot logits of 1 on its next token)."""
-    vocab = model.info.vocab_size
-    norm = math.log(math.e + vocab - 1)
-    return (1.0 if model.next_token(ids[:i]) == ids[i] else 0.0) - norm
+    """The fake model's logprob of ``ids[i]``."""
+    return logprob(ids[:i], ids[i], model.info.vocab_size, model.eos_token_id)
 
 
 def test_prompt_logprobs_survive_preemption_mid_prefill() -> None:

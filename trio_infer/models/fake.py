@@ -11,6 +11,7 @@ Everything else (scheduler, allocator, runtime, HTTP) runs unchanged on top of i
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -26,6 +27,26 @@ def expected_next_token(token_ids: list[int], vocab_size: int, eos_token_id: int
     the hash lands on it, which happens about once per ``vocab_size`` tokens."""
     acc = sum((t * (i + 1)) % _MOD for i, t in enumerate(token_ids))
     return (acc * 31 + 7 * len(token_ids)) % vocab_size
+
+
+# The logits: 1 on the expected token, 0 elsewhere, except EOS, which is far below everything
+# (exp(-1000) is 0 in float32) unless it is the expected token. Greedy decoding gives the expected
+# tokens; sampling (the API's default temperature is 1) gives nearly uniform text, so choices and
+# seeds differ as they should, but it never meets EOS by chance: a test that leaves sampling at
+# its defaults still knows how many tokens it gets. (With EOS at 0 like the rest, such a request
+# met EOS about once in 500 tokens, and tests ended early at random.)
+_EOS_FLOOR = -1000.0
+
+
+def logprob(token_ids: list[int], token: int, vocab_size: int, eos_token_id: int) -> float:
+    """The fake model's logprob of ``token`` after ``token_ids`` (before any temperature)."""
+    best = expected_next_token(token_ids, vocab_size, eos_token_id)
+    if best == eos_token_id:
+        norm = math.log(math.e + vocab_size - 1)
+    else:
+        norm = math.log(math.e + vocab_size - 2 + math.exp(_EOS_FLOOR))
+    logit = 1.0 if token == best else _EOS_FLOOR if token == eos_token_id else 0.0
+    return logit - norm
 
 
 class FakeModel:
@@ -95,5 +116,6 @@ class FakeModel:
         next_ids = (acc * 31 + 7 * lens) % self.info.vocab_size
 
         logits = torch.zeros(len(next_ids), self.info.vocab_size, dtype=torch.float32)
+        logits[:, self.eos_token_id] = _EOS_FLOOR
         logits[torch.arange(len(next_ids)), next_ids] = 1.0
         return logits
