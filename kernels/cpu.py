@@ -105,9 +105,11 @@ def load() -> CpuKernels | None:
 class PackedWeight:
     """A weight matrix [N, K] kept in a ggml block format (``fmt``, one of :data:`FORMATS`).
 
-    ``data`` is [N, K / 32 * block bytes] uint8, one row of blocks per output feature, so fused
-    projections are the concatenation of their parts' rows and a row permutation (llama.cpp's
-    q/k layout) permutes rows of ``data``.
+    ``data`` is [N, K / 32 * block bytes] uint8: each output feature's row of blocks, with the
+    row's bytes rearranged by :meth:`from_blocks` (all its codes, then all its fp16 scales, then
+    Q4_1's minimums: see cpu_kernels.c). Rows stay rows, so fused projections are the
+    concatenation of their parts' rows and a row permutation (llama.cpp's q/k layout) permutes
+    rows of ``data``.
     """
 
     fmt: str
@@ -116,6 +118,21 @@ class PackedWeight:
     # Decode-sized products (1-3 rows of x) round x to int16 per 32-block first and multiply in
     # integers: ~1.3x faster there, not exact (the tolerance is in docs/kernels.md).
     int16_activations: bool = False
+
+    @classmethod
+    def from_blocks(cls, fmt: str, blocks: torch.Tensor, in_features: int,
+                    int16_activations: bool = False) -> PackedWeight:
+        """From ggml's blocks as a GGUF file stores them: [N, K / 32 * block bytes] uint8."""
+        if fmt not in FORMATS or in_features % BLOCK_SIZE:
+            raise ValueError(f"cannot pack a [{blocks.shape[0]}, {in_features}] {fmt} weight")
+        n, nb = blocks.shape[0], in_features // BLOCK_SIZE
+        if tuple(blocks.shape) != (n, nb * BLOCK_BYTES[fmt]) or blocks.dtype != torch.uint8:
+            raise ValueError(f"{fmt} blocks of shape {tuple(blocks.shape)} for {in_features} columns")
+        b = blocks.reshape(n, nb, BLOCK_BYTES[fmt])
+        header = 4 if fmt == "Q4_1" else 2  # d (and Q4_1's m) precede each block's codes
+        parts = [b[:, :, header:], b[:, :, 0:2]] + ([b[:, :, 2:4]] if fmt == "Q4_1" else [])
+        data = torch.cat([p.reshape(n, -1) for p in parts], dim=1)
+        return cls(fmt, data, in_features, int16_activations)
 
     @classmethod
     def empty(cls, fmt: str, out_features: int, in_features: int,
@@ -159,6 +176,8 @@ class CpuKernels:
             "tri_rope_store": (None, [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P]),
             "tri_decode_attention": (
                 None, [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I]),
+            "tri_decode_step": (
+                _I, [ctypes.POINTER(_Model), _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _P, _I]),
         }
         for name, (restype, argtypes) in sig.items():
             fn = getattr(lib, name)
@@ -213,6 +232,10 @@ class CpuKernels:
                                  slots.data_ptr(), t, hq, hkv, d, cos_sin.data_ptr(),
                                  k_cache.data_ptr(), v_cache.data_ptr())
 
+    def decode_step(self, weights: DecoderWeights, page_size: int) -> DecodeStep:
+        """The whole decode step of the model ``weights`` describes, as one call."""
+        return DecodeStep(self._lib, weights, page_size)
+
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          max_len: int, threads: int) -> torch.Tensor:
@@ -224,3 +247,113 @@ class CpuKernels:
                                        page_table.stride(0), seq_lens.data_ptr(), b, hq, hkv, d,
                                        page_size, scale, out.data_ptr(), max_len, threads)
         return out
+
+
+# -- a whole decode step in one call (tri_decode_step) -----------------------------------------------
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("fmt", _I), ("w", _P), ("row_bytes", _SZ), ("N", _I), ("K", _I), ("bias", _P),
+                ("int16_activations", _I)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
+                ("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", _I), ("H", _I), ("Hq", _I), ("Hkv", _I), ("D", _I), ("I", _I),
+                ("page_size", _I), ("eps", _F), ("scale", _F), ("embed_fmt", _I), ("embed", _P),
+                ("embed_row_bytes", _SZ), ("final_norm", _P), ("lm_head", _Lin),
+                ("cos_sin", _P), ("layers", ctypes.POINTER(_Layer))]
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One pre-norm decoder layer (Llama, Qwen2, Qwen3): norms' weights and block-format linears
+    with their biases (None where the model has none)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qkv: tuple[PackedWeight, torch.Tensor | None]
+    o: tuple[PackedWeight, torch.Tensor | None]
+    gate_up: tuple[PackedWeight, torch.Tensor | None]
+    down: tuple[PackedWeight, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class DecoderWeights:
+    """What :class:`DecodeStep` needs of a model: shapes, the embedding table (blocks or fp32
+    [vocab, H]), the layers, the final norm, the lm_head (blocks) and the rotary cos/sin table."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    embed: PackedWeight | torch.Tensor
+    layers: list[DecoderLayerWeights]
+    final_norm: torch.Tensor
+    lm_head: PackedWeight
+    cos_sin: torch.Tensor
+
+
+class DecodeStep:
+    """A model's whole decode step as one C call (``tri_decode_step``); see cpu_kernels.c.
+
+    Holds the C description of the model (pointers into the given tensors, which it keeps alive).
+    :meth:`__call__` runs B sequences decoding one token each and returns their logits."""
+
+    def __init__(self, lib: ctypes.CDLL, w: DecoderWeights, page_size: int) -> None:
+        self._lib = lib
+        self._keep = w
+        layers = (_Layer * len(w.layers))()
+        for i, lw in enumerate(w.layers):
+            layers[i] = _Layer(_ptr(lw.input_norm), _ptr(lw.post_norm), _ptr(lw.q_norm),
+                               _ptr(lw.k_norm), _lin(*lw.qkv), _lin(*lw.o), _lin(*lw.gate_up),
+                               _lin(*lw.down))
+        self._layers = layers
+        hidden = w.layers[0].input_norm.shape[0]
+        inter = w.layers[0].down[0].in_features
+        if isinstance(w.embed, PackedWeight):
+            embed_fmt, embed, row = FORMATS[w.embed.fmt], w.embed.data, w.embed.data.stride(0)
+        else:
+            embed_fmt, embed, row = 0, w.embed, w.embed.stride(0) * 4
+        self._model = _Model(len(w.layers), hidden, w.num_heads, w.num_kv_heads, w.head_dim, inter,
+                             page_size, w.eps, w.head_dim**-0.5, embed_fmt, embed.data_ptr(), row,
+                             w.final_norm.data_ptr(), _lin(w.lm_head, None), w.cos_sin.data_ptr(),
+                             layers)
+        self.vocab_size = w.lm_head.out_features
+        self._caches: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
+
+    def _cache_pointers(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                        ) -> tuple[ctypes.Array, ctypes.Array]:
+        key = tuple(t.data_ptr() for t in (*k_caches, *v_caches))
+        if self._caches is None or self._caches[0] != key:
+            n = len(k_caches)
+            self._caches = (key, (_P * n)(*key[:n]), (_P * n)(*key[n:]))
+        return self._caches[1], self._caches[2]
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 page_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 threads: int) -> torch.Tensor:
+        """int64 contiguous ids, positions, slots, seq_lens [B] and page_table [B, pages] (rows
+        contiguous); caches [pages, page_size, Hkv, D] fp32 per layer -> logits [B, vocab]."""
+        b = ids.shape[0]
+        logits = torch.empty(b, self.vocab_size, dtype=torch.float32)
+        ks, vs = self._cache_pointers(k_caches, v_caches)
+        rc = self._lib.tri_decode_step(ctypes.byref(self._model), ks, vs, b, ids.data_ptr(),
+                                       positions.data_ptr(), slots.data_ptr(),
+                                       page_table.data_ptr(), page_table.stride(0),
+                                       seq_lens.data_ptr(), max_len, logits.data_ptr(), threads)
+        if rc != 0:
+            raise MemoryError("tri_decode_step could not allocate its scratch")
+        return logits
+
+
+def _lin(w: PackedWeight, bias: torch.Tensor | None) -> _Lin:
+    return _Lin(FORMATS[w.fmt], w.data.data_ptr(), w.data.stride(0), w.out_features,
+                w.in_features, _ptr(bias), int(w.int16_activations))

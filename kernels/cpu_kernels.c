@@ -11,14 +11,18 @@
  *
  * Threads: OpenMP, with the thread count passed by the caller (torch's, so one setting rules both).
  *
- * Weight formats (ggml's block layouts, 32 weights a block, rows of K/32 blocks):
- *   Q4_0 (2): fp16 d, 16 bytes of nibbles;          w = (q - 8) * d
- *   Q4_1 (3): fp16 d, fp16 m, 16 bytes of nibbles;  w = q * d + m
- *   Q8_0 (8): fp16 d, 32 int8;                      w = q * d
- * In a nibble block, byte j holds weight j (low nibble) and weight j + 16 (high nibble).
+ * Weight formats: ggml's, 32 weights a block, with each row's blocks rearranged at load time
+ * (kernels/cpu.py, PackedWeight.from_blocks) so that a row holds all its codes, then all its
+ * scales (then all its minimums): the same bytes, but a kernel loads the scales of 8 blocks in
+ * one instruction and the codes of consecutive blocks are adjacent. For a row of nb blocks:
+ *   Q4_0 (2): nb * 16 bytes of nibbles | nb fp16 d;               w = (q - 8) * d
+ *   Q4_1 (3): nb * 16 bytes of nibbles | nb fp16 d | nb fp16 m;   w = q * d + m
+ *   Q8_0 (8): nb * 32 int8             | nb fp16 d;               w = q * d
+ * In a block's 16 bytes of nibbles, byte j holds weight j (low nibble) and weight j + 16 (high).
  */
 
 #include <immintrin.h>
+#include <omp.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -53,6 +57,12 @@ static inline __m256 i8x8_to_float(__m128i v) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
 }
 
+/* Bytes of codes per block, and where a row's scales (d) and minimums (m, Q4_1) start. */
+static inline int code_bytes(int fmt) { return fmt == FMT_Q8_0 ? 32 : 16; }
+static inline const uint8_t *row_scales(int fmt, const uint8_t *row, int nb) {
+    return row + (size_t)nb * code_bytes(fmt);
+}
+
 int tri_block_bytes(int fmt) {
     switch (fmt) {
     case FMT_Q4_0: return 18;
@@ -65,33 +75,27 @@ int tri_block_bytes(int fmt) {
 /* One row of K weights (K a multiple of 32) -> fp32. */
 static void dequant_row(int fmt, const uint8_t *row, int K, float *out) {
     const int nb = K / 32;
+    const uint8_t *ds = row_scales(fmt, row, nb), *ms = ds + 2 * nb;
     const __m128i low4 = _mm_set1_epi8(0x0F);
-    if (fmt == FMT_Q4_1 || fmt == FMT_Q4_0) {
-        const int bytes = fmt == FMT_Q4_1 ? 20 : 18;
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = row + (size_t)b * bytes;
-            const float dv = half_to_float(blk);
-            const __m256 d = _mm256_set1_ps(dv);
-            const __m256 m = _mm256_set1_ps(fmt == FMT_Q4_1 ? half_to_float(blk + 2) : -8.0f * dv);
-            const __m128i q = _mm_loadu_si128((const __m128i *)(blk + bytes - 16));
-            const __m128i lo = _mm_and_si128(q, low4);
-            const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
-            float *o = out + b * 32;
-            _mm256_storeu_ps(o, _mm256_fmadd_ps(u8x8_to_float(lo), d, m));
-            _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(u8x8_to_float(_mm_srli_si128(lo, 8)), d, m));
-            _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(u8x8_to_float(hi), d, m));
-            _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(u8x8_to_float(_mm_srli_si128(hi, 8)), d, m));
-        }
-    } else if (fmt == FMT_Q8_0) {
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = row + (size_t)b * 34;
-            const __m256 d = _mm256_set1_ps(half_to_float(blk));
-            float *o = out + b * 32;
+    for (int b = 0; b < nb; b++) {
+        const float dv = half_to_float(ds + 2 * b);
+        const __m256 d = _mm256_set1_ps(dv);
+        float *o = out + b * 32;
+        if (fmt == FMT_Q8_0) {
             for (int j = 0; j < 4; j++) {
-                const __m128i q = _mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * j));
+                const __m128i q = _mm_loadl_epi64((const __m128i *)(row + 32 * b + 8 * j));
                 _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(i8x8_to_float(q), d));
             }
+            continue;
         }
+        const __m256 m = _mm256_set1_ps(fmt == FMT_Q4_1 ? half_to_float(ms + 2 * b) : -8.0f * dv);
+        const __m128i q = _mm_loadu_si128((const __m128i *)(row + 16 * b));
+        const __m128i lo = _mm_and_si128(q, low4);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(u8x8_to_float(lo), d, m));
+        _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(u8x8_to_float(_mm_srli_si128(lo, 8)), d, m));
+        _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(u8x8_to_float(hi), d, m));
+        _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(u8x8_to_float(_mm_srli_si128(hi, 8)), d, m));
     }
 }
 
@@ -137,44 +141,86 @@ static void tile(const float *x, int ldx, int m0, int m1, int K, const float *w,
  * from it on, through tile (each weight dequantized once into L1, used by MT rows at a time). */
 #define FEW_ROWS 4
 
-/* The 8 floats of a block's weights [8j, 8j + 8) as their integer codes (0..15 or -128..127). */
-static inline void block_codes(int fmt, const uint8_t *blk, __m256 f[4]) {
-    if (fmt == FMT_Q8_0) {
-        for (int j = 0; j < 4; j++)
-            f[j] = i8x8_to_float(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * j)));
-        return;
-    }
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + (fmt == FMT_Q4_1 ? 4 : 2)));
-    const __m128i lo = _mm_and_si128(q, low4);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
-    f[0] = u8x8_to_float(lo);
-    f[1] = u8x8_to_float(_mm_srli_si128(lo, 8));
-    f[2] = u8x8_to_float(hi);
-    f[3] = u8x8_to_float(_mm_srli_si128(hi, 8));
+/* The few-rows kernels take 8 blocks at a time: one 8-lane vector per block (or per pair of
+ * blocks) of partial sums, reduced to one vector holding each block's sum, so the scales, the
+ * minimums and x's block sums of 8 blocks are applied with a few vector instructions. */
+
+/* The sums of 8 vectors, one per block: lane j = sum of v[j]. */
+static inline __m256 reduce8_ps(const __m256 v[8]) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-/* dot(w_row, x) for one block-format row: sum over blocks of d * dot(codes, x_b) + m * sum(x_b),
- * where m is Q4_1's minimum, -8d for Q4_0 and 0 for Q8_0; ``xsum`` holds sum(x_b) per block. */
-static float dot_row(int fmt, const uint8_t *row, const float *x, const float *xsum, int nb) {
-    const int bytes = tri_block_bytes(fmt);
-    __m256 acc = _mm256_setzero_ps();
-    float macc = 0.0f;
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = row + (size_t)b * bytes;
-        const float *xb = x + b * 32;
-        __m256 f[4];
-        block_codes(fmt, blk, f);
-        __m256 s = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
-        s = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), s);
-        s = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), s);
-        s = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), s);
-        const float d = half_to_float(blk);
-        acc = _mm256_fmadd_ps(s, _mm256_set1_ps(d), acc);
-        if (fmt == FMT_Q4_1) macc += half_to_float(blk + 2) * xsum[b];
-        else if (fmt == FMT_Q4_0) macc -= 8.0f * d * xsum[b];
+static inline __m256i reduce8_epi32(const __m256i v[8]) {
+    const __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20),
+                            _mm256_permute2x128_si256(t0, t1, 0x31));
+}
+
+/* Up to 8 fp16 values (n of them; the rest 0) as floats. */
+static inline __m256 load_halves(const uint8_t *p, int n) {
+    if (n == 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    uint16_t h[8] = {0};
+    memcpy(h, p, (size_t)n * 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
+static inline __m256 load_floats(const float *p, int n) {
+    if (n == 8) return _mm256_loadu_ps(p);
+    float f[8] = {0};
+    memcpy(f, p, (size_t)n * 4);
+    return _mm256_loadu_ps(f);
+}
+
+/* dot(codes of block b, x_b) as 8 partial sums (fp32 x). */
+static inline __m256 block_dot_ps(int fmt, const uint8_t *row, int b, const float *xb) {
+    __m256 f[4];
+    if (fmt == FMT_Q8_0) {
+        for (int j = 0; j < 4; j++)
+            f[j] = i8x8_to_float(_mm_loadl_epi64((const __m128i *)(row + 32 * b + 8 * j)));
+    } else {
+        const __m128i low4 = _mm_set1_epi8(0x0F);
+        const __m128i q = _mm_loadu_si128((const __m128i *)(row + 16 * b));
+        const __m128i lo = _mm_and_si128(q, low4);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+        f[0] = u8x8_to_float(lo);
+        f[1] = u8x8_to_float(_mm_srli_si128(lo, 8));
+        f[2] = u8x8_to_float(hi);
+        f[3] = u8x8_to_float(_mm_srli_si128(hi, 8));
     }
-    return hsum(acc) + macc;
+    __m256 s = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
+    s = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), s);
+    s = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), s);
+    return _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), s);
+}
+
+/* The offset term of 8 blocks: m_j * xs_j, where m is Q4_1's minimum, -8d for Q4_0, 0 for Q8_0. */
+static inline __m256 offsets(int fmt, const uint8_t *ds, int nb, int b, int n, const float *xs,
+                             __m256 acc) {
+    if (fmt == FMT_Q4_1)
+        return _mm256_fmadd_ps(load_halves(ds + 2 * (size_t)nb + 2 * b, n), load_floats(xs + b, n), acc);
+    if (fmt == FMT_Q4_0)
+        return _mm256_fmadd_ps(_mm256_mul_ps(load_halves(ds + 2 * b, n), _mm256_set1_ps(-8.0f)),
+                               load_floats(xs + b, n), acc);
+    return acc;
+}
+
+/* dot(w_row, x), exact: sum over blocks of d * dot(codes, x_b) + m * sum(x_b); ``xsum`` holds
+ * sum(x_b) per block. */
+static float dot_row(int fmt, const uint8_t *row, const float *x, const float *xsum, int nb) {
+    const uint8_t *ds = row_scales(fmt, row, nb);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b += 8) {
+        const int n = nb - b < 8 ? nb - b : 8;
+        __m256 v[8];
+        for (int j = 0; j < 8; j++)
+            v[j] = j < n ? block_dot_ps(fmt, row, b + j, x + (size_t)(b + j) * 32) : _mm256_setzero_ps();
+        acc = _mm256_fmadd_ps(reduce8_ps(v), load_halves(ds + 2 * b, n), acc);
+        acc = offsets(fmt, ds, nb, b, n, xsum, acc);
+    }
+    return hsum(acc);
 }
 
 static void block_sums(const float *x, int K, float *out) {
@@ -186,12 +232,22 @@ static void block_sums(const float *x, int K, float *out) {
 }
 
 /* The int16-activation variant (opt-in; not exact, relative error ~5e-5): each 32-block of x is
- * rounded to int16 with its own scale, so a block's dot product is integer multiply-adds of
- * the weights' codes widened to int16 (madd: 16 products and 8 sums in one instruction)
- * instead of 32 int-to-float conversions and FMAs. The weights' offset term (Q4_1's m, Q4_0's
- * -8d) uses the exact float sums of x. */
-static void quantize_row_q16(const float *x, int K, int16_t *qx, float *dx) {
-    for (int b = 0; b < K / 32; b++) {
+ * rounded to int16 with its own scale (dx), so a block's dot product is an exact integer sum.
+ * The weights' offset term (Q4_1's m, Q4_0's -8d) uses the exact float sums of x.
+ *
+ * Q8_0 codes are widened to int16 and multiplied with madd. For 4-bit codes (0..15) the int16 x
+ * is split into its signed high byte and unsigned low byte, x = 256 * xh + xl, so that maddubs
+ * (unsigned bytes times signed bytes, pairs summed to int16) takes 32 codes at once: codes * xh
+ * and xl * codes (a code is a valid signed byte) never leave int16, and two madds combine them
+ * into sum(code * x) exactly. Two blocks go together (their 32 code bytes are adjacent): x is
+ * laid out per pair of blocks as four 32-byte vectors, xh of weights 0-15 of both blocks, xh of
+ * weights 16-31, then xl of the same (see quantize_row_q16). */
+#define QX_BLOCK_BYTES 64  /* bytes of prepared x per block, either layout */
+
+static void quantize_row_q16(int fmt, const float *x, int K, uint8_t *qx, float *dx) {
+    const int nb = K / 32;
+    memset(qx, 0, (size_t)(nb + 1) / 2 * 2 * QX_BLOCK_BYTES);  /* an odd last block's partner: 0 */
+    for (int b = 0; b < nb; b++) {
         const float *xb = x + b * 32;
         float amax = 0.0f;
         for (int i = 0; i < 32; i++) {
@@ -200,66 +256,132 @@ static void quantize_row_q16(const float *x, int K, int16_t *qx, float *dx) {
         }
         const float d = amax / 32767.0f;
         const float id = d > 0.0f ? 1.0f / d : 0.0f;
-        for (int i = 0; i < 32; i++) qx[b * 32 + i] = (int16_t)lrintf(xb[i] * id);
         dx[b] = d;
-    }
-}
-
-static float dot_row_q16(int fmt, const uint8_t *row, const int16_t *qx, const float *dx,
-                         const float *xs, int nb) {
-    const int bytes = tri_block_bytes(fmt);
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    __m256 acc = _mm256_setzero_ps();
-    float macc = 0.0f;
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = row + (size_t)b * bytes;
-        const int16_t *xb = qx + b * 32;
-        __m256i w0, w1;
-        if (fmt == FMT_Q8_0) {
-            w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
-            w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
-        } else {
-            const __m128i q = _mm_loadu_si128((const __m128i *)(blk + bytes - 16));
-            w0 = _mm256_cvtepu8_epi16(_mm_and_si128(q, low4));
-            w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), low4));
+        for (int i = 0; i < 32; i++) {
+            const int16_t v = (int16_t)lrintf(xb[i] * id);
+            if (fmt == FMT_Q8_0) {
+                ((int16_t *)qx)[b * 32 + i] = v;
+            } else {
+                uint8_t *pair = qx + (size_t)(b / 2) * 2 * QX_BLOCK_BYTES;
+                const int at = (b % 2) * 16 + (i % 16) + (i / 16) * 32;
+                pair[at] = (uint8_t)((uint16_t)v >> 8);
+                pair[64 + at] = (uint8_t)(v & 0xFF);
+            }
         }
-        const __m256i p = _mm256_add_epi32(
-            _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xb)),
-            _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xb + 16))));
-        const float d = half_to_float(blk);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx[b]), acc);
-        if (fmt == FMT_Q4_1) macc += half_to_float(blk + 2) * xs[b];
-        else if (fmt == FMT_Q4_0) macc -= 8.0f * d * xs[b];
     }
-    return hsum(acc) + macc;
 }
 
-/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M < FEW_ROWS: exact (dot_row), or with x rounded to
- * int16 first (dot_row_q16). Both need the float sums of x's blocks. */
-static void linear_few_rows(int fmt, const float *x, int M, int K, const uint8_t *w,
-                            size_t row_bytes, int N, const float *bias, float *y,
-                            int int16_activations, int nthreads) {
+/* sum(code * x) of blocks b and b + 1 (4-bit codes): lanes 0-3 block b's partial sums, 4-7 b + 1's. */
+static inline __m256i pair_dot_q4(const uint8_t *codes, const uint8_t *xp, int both) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i q = both ? _mm256_loadu_si256((const __m256i *)codes)
+                           : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)codes));
+    const __m256i lo = _mm256_and_si256(q, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+    const __m256i h = _mm256_add_epi16(
+        _mm256_maddubs_epi16(lo, _mm256_load_si256((const __m256i *)xp)),
+        _mm256_maddubs_epi16(hi, _mm256_load_si256((const __m256i *)(xp + 32))));
+    const __m256i l = _mm256_add_epi16(
+        _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(xp + 64)), lo),
+        _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(xp + 96)), hi));
+    return _mm256_add_epi32(_mm256_madd_epi16(h, _mm256_set1_epi16(256)),
+                            _mm256_madd_epi16(l, _mm256_set1_epi16(1)));
+}
+
+/* sum(code * x) of Q8_0 block b as 8 partial sums. */
+static inline __m256i block_dot_q8(const uint8_t *row, int b, const int16_t *xb) {
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 32 * b)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 32 * b + 16)));
+    return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_load_si256((const __m256i *)xb)),
+                            _mm256_madd_epi16(w1, _mm256_load_si256((const __m256i *)(xb + 16))));
+}
+
+static float dot_row_q16(int fmt, const uint8_t *row, const uint8_t *qx, const float *dx,
+                         const float *xs, int nb) {
+    const uint8_t *ds = row_scales(fmt, row, nb);
+    /* pair sums come out as [b0 b2 b4 b6 | b1 b3 b5 b7]: back to block order */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b += 8) {
+        const int n = nb - b < 8 ? nb - b : 8;
+        __m256i sums;
+        if (fmt == FMT_Q8_0) {
+            __m256i v[8];
+            for (int j = 0; j < 8; j++)
+                v[j] = j < n ? block_dot_q8(row, b + j, (const int16_t *)(qx + (size_t)(b + j) * QX_BLOCK_BYTES))
+                             : _mm256_setzero_si256();
+            sums = reduce8_epi32(v);
+        } else {
+            __m256i v[4];
+            for (int j = 0; j < 4; j++)
+                v[j] = 2 * j < n ? pair_dot_q4(row + 16 * (size_t)(b + 2 * j),
+                                               qx + (size_t)(b + 2 * j) * QX_BLOCK_BYTES, 2 * j + 1 < n)
+                                 : _mm256_setzero_si256();
+            sums = _mm256_permutevar8x32_epi32(
+                _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3])), order);
+        }
+        const __m256 scale = _mm256_mul_ps(load_halves(ds + 2 * b, n), load_floats(dx + b, n));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
+        acc = offsets(fmt, ds, nb, b, n, xs, acc);
+    }
+    return hsum(acc);
+}
+
+/* The pieces below run inside a parallel region their caller opens: their loops are orphaned
+ * work-sharing constructs (``omp for``), so a public entry point opens one region for one op and
+ * tri_decode_step opens one for a whole step, and both run the same code in the same order (the
+ * fused step's results are bitwise those of the op-by-op path). Each ``omp for`` ends with a
+ * barrier. */
+
+/* What a few-rows product needs of x before the threads start: the float sums of x's blocks,
+ * and with int16 activations x rounded to int16 (qx) with a scale per block (dx). */
+static size_t qx_row_bytes(int K) { return (size_t)(K / 32 + 1) / 2 * 2 * QX_BLOCK_BYTES; }
+
+static void linear_prep(int fmt, const float *x, int M, int K, float *xsum, uint8_t *qx, float *dx) {
     const int nb = K / 32;
-    float *xsum = malloc((size_t)M * nb * sizeof(float));
-    int16_t *qx = int16_activations ? aligned_alloc(64, (size_t)M * K * 2 + 64) : NULL;
-    float *dx = int16_activations ? malloc((size_t)M * nb * sizeof(float)) : NULL;
     for (int m = 0; m < M; m++) {
         block_sums(x + (size_t)m * K, K, xsum + (size_t)m * nb);
-        if (qx) quantize_row_q16(x + (size_t)m * K, K, qx + (size_t)m * K, dx + (size_t)m * nb);
+        if (qx) quantize_row_q16(fmt, x + (size_t)m * K, K, qx + m * qx_row_bytes(K), dx + (size_t)m * nb);
     }
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
+}
+
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M < FEW_ROWS, after linear_prep: exact (dot_row), or
+ * with x rounded to int16 (dot_row_q16) when qx is given. */
+static void linear_few_rows_omp(int fmt, const float *x, int M, int K, const uint8_t *w,
+                                size_t row_bytes, int N, const float *bias, float *y,
+                                const float *xsum, const uint8_t *qx, const float *dx) {
+    const int nb = K / 32;
+    #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = w + (size_t)n * row_bytes;
         for (int m = 0; m < M; m++) {
             const float *xs = xsum + (size_t)m * nb;
-            const float dot = qx ? dot_row_q16(fmt, row, qx + (size_t)m * K, dx + (size_t)m * nb, xs, nb)
+            const float dot = qx ? dot_row_q16(fmt, row, qx + m * qx_row_bytes(K), dx + (size_t)m * nb, xs, nb)
                                  : dot_row(fmt, row, x + (size_t)m * K, xs, nb);
             y[(size_t)m * N + n] = dot + (bias ? bias[n] : 0.0f);
         }
     }
-    free(xsum);
-    free(qx);
-    free(dx);
+}
+
+/* The same product for M >= FEW_ROWS: tiles of NT weight rows dequantized into L1 (a buffer
+ * per thread), MB rows of x per pass. */
+static void linear_tiles_omp(int fmt, const float *x, int M, int K, const uint8_t *w,
+                             size_t row_bytes, int N, const float *bias, float *y) {
+    const int tiles = (N + NT - 1) / NT;
+    float *buf = aligned_alloc(64, (size_t)NT * K * sizeof(float));
+    for (int m0 = 0; m0 < M; m0 += MB) {
+        const int m1 = m0 + MB < M ? m0 + MB : M;
+        #pragma omp for schedule(static) nowait
+        for (int ti = 0; ti < tiles; ti++) {
+            const int n0 = ti * NT;
+            const int nt = N - n0 < NT ? N - n0 : NT;
+            for (int t = 0; t < nt; t++)
+                dequant_row(fmt, w + (size_t)(n0 + t) * row_bytes, K, buf + (size_t)t * K);
+            tile(x, K, m0, m1, K, buf, nt, bias, y, N, n0);
+        }
+    }
+    free(buf);
+    #pragma omp barrier
 }
 
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ bias). W's rows are ``row_bytes`` apart, in ``fmt``.
@@ -269,27 +391,21 @@ int tri_linear(int fmt, const float *x, int M, int K, const uint8_t *w, size_t r
                const float *bias, float *y, int int16_activations, int nthreads) {
     if (K % 32 != 0 || tri_block_bytes(fmt) == 0)
         return -1;
-    if (M < FEW_ROWS) {
-        linear_few_rows(fmt, x, M, K, w, row_bytes, N, bias, y, int16_activations, nthreads);
+    if (M >= FEW_ROWS) {
+        #pragma omp parallel num_threads(nthreads)
+        linear_tiles_omp(fmt, x, M, K, w, row_bytes, N, bias, y);
         return 0;
     }
-    const int tiles = (N + NT - 1) / NT;
+    const int nb = K / 32;
+    float *xsum = malloc((size_t)M * nb * sizeof(float));
+    uint8_t *qx = int16_activations ? aligned_alloc(64, M * qx_row_bytes(K)) : NULL;
+    float *dx = int16_activations ? malloc((size_t)M * nb * sizeof(float)) : NULL;
+    linear_prep(fmt, x, M, K, xsum, qx, dx);
     #pragma omp parallel num_threads(nthreads)
-    {
-        float *buf = aligned_alloc(64, (size_t)NT * K * sizeof(float));
-        for (int m0 = 0; m0 < M; m0 += MB) {
-            const int m1 = m0 + MB < M ? m0 + MB : M;
-            #pragma omp for schedule(static) nowait
-            for (int ti = 0; ti < tiles; ti++) {
-                const int n0 = ti * NT;
-                const int nt = N - n0 < NT ? N - n0 : NT;
-                for (int t = 0; t < nt; t++)
-                    dequant_row(fmt, w + (size_t)(n0 + t) * row_bytes, K, buf + (size_t)t * K);
-                tile(x, K, m0, m1, K, buf, nt, bias, y, N, n0);
-            }
-        }
-        free(buf);
-    }
+    linear_few_rows_omp(fmt, x, M, K, w, row_bytes, N, bias, y, xsum, qx, dx);
+    free(xsum);
+    free(qx);
+    free(dx);
     return 0;
 }
 
@@ -300,31 +416,38 @@ void tri_dequant_rows(int fmt, const uint8_t *w, size_t row_bytes, const int64_t
         dequant_row(fmt, w + (size_t)rows[i] * row_bytes, K, out + (size_t)i * K);
 }
 
-/* RMSNorm over rows of H: y = w * v / sqrt(mean(v^2) + eps), where v = x, or with
- * ``residual``, v = x + residual, also written to ``sum`` (the next layer's residual). */
-void tri_rms_norm(const float *x, const float *residual, float *sum, const float *w, int M, int H,
-                  float eps, float *y, int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 8)
-    for (int m = 0; m < M; m++) {
-        const float *xr = x + (size_t)m * H;
-        const float *v = xr;
-        if (residual) {
-            const float *r = residual + (size_t)m * H;
-            float *s = sum + (size_t)m * H;
-            for (int i = 0; i < H; i++) s[i] = xr[i] + r[i];
-            v = s;
-        }
-        float ss = 0.0f;
-        for (int i = 0; i < H; i++) ss += v[i] * v[i];
-        const float inv = 1.0f / sqrtf(ss / H + eps);
-        float *yr = y + (size_t)m * H;
-        for (int i = 0; i < H; i++) yr[i] = w[i] * (v[i] * inv);
+/* RMSNorm of one row of H: y = w * v / sqrt(mean(v^2) + eps), where v = x, or with
+ * ``residual``, v = x + residual, also written to ``sum`` (may be ``residual`` itself). */
+static void rms_norm_row(const float *xr, const float *r, float *s, const float *w, int H,
+                         float eps, float *yr) {
+    const float *v = xr;
+    if (r) {
+        for (int i = 0; i < H; i++) s[i] = xr[i] + r[i];
+        v = s;
     }
+    float ss = 0.0f;
+    for (int i = 0; i < H; i++) ss += v[i] * v[i];
+    const float inv = 1.0f / sqrtf(ss / H + eps);
+    for (int i = 0; i < H; i++) yr[i] = w[i] * (v[i] * inv);
 }
 
-/* silu(gate) * up for x = [M, 2I] holding cat(gate, up) -> y [M, I]. */
-void tri_silu_and_mul(const float *x, int M, int I, float *y, int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 8)
+static void rms_norm_omp(const float *x, const float *residual, float *sum, const float *w,
+                         int M, int H, float eps, float *y) {
+    #pragma omp for schedule(static)
+    for (int m = 0; m < M; m++)
+        rms_norm_row(x + (size_t)m * H, residual ? residual + (size_t)m * H : NULL,
+                     sum ? sum + (size_t)m * H : NULL, w, H, eps, y + (size_t)m * H);
+}
+
+/* RMSNorm over rows of H (see rms_norm_row). */
+void tri_rms_norm(const float *x, const float *residual, float *sum, const float *w, int M, int H,
+                  float eps, float *y, int nthreads) {
+    #pragma omp parallel num_threads(M > 8 ? nthreads : 1)
+    rms_norm_omp(x, residual, sum, w, M, H, eps, y);
+}
+
+static void silu_and_mul_omp(const float *x, int M, int I, float *y) {
+    #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) {
         const float *g = x + (size_t)m * 2 * I, *u = g + I;
         float *o = y + (size_t)m * I;
@@ -332,27 +455,38 @@ void tri_silu_and_mul(const float *x, int M, int I, float *y, int nthreads) {
     }
 }
 
+/* silu(gate) * up for x = [M, 2I] holding cat(gate, up) -> y [M, I]. */
+void tri_silu_and_mul(const float *x, int M, int I, float *y, int nthreads) {
+    #pragma omp parallel num_threads(M > 8 ? nthreads : 1)
+    silu_and_mul_omp(x, M, I, y);
+}
+
 /* Neox rotary embedding in place on q [T, Hq, D] and k [T, Hkv, D] (rows ``q_stride`` and
  * ``k_stride`` floats apart per token), then k and v [T, Hkv, D] (v rows ``v_stride`` apart)
  * stored into their cache slots: cache [num_slots, Hkv, D]. cos_sin: [max_pos, D] = cat(cos, sin). */
+static void rope_store_token(float *q, float *k, const float *v, int64_t position, int64_t slot,
+                             int Hq, int Hkv, int D, const float *cos_sin, float *k_cache,
+                             float *v_cache) {
+    const int half = D / 2;
+    const float *cs = cos_sin + (size_t)position * D;
+    for (int h = 0; h < Hq + Hkv; h++) {
+        float *x = h < Hq ? q + (size_t)h * D : k + (size_t)(h - Hq) * D;
+        for (int i = 0; i < half; i++) {
+            const float x1 = x[i], x2 = x[i + half], c = cs[i], s = cs[i + half];
+            x[i] = x1 * c - x2 * s;
+            x[i + half] = x2 * c + x1 * s;
+        }
+    }
+    memcpy(k_cache + (size_t)slot * Hkv * D, k, (size_t)Hkv * D * sizeof(float));
+    memcpy(v_cache + (size_t)slot * Hkv * D, v, (size_t)Hkv * D * sizeof(float));
+}
+
 void tri_rope_store(float *q, int q_stride, float *k, int k_stride, const float *v, int v_stride,
                     const int64_t *positions, const int64_t *slots, int T, int Hq, int Hkv, int D,
                     const float *cos_sin, float *k_cache, float *v_cache) {
-    const int half = D / 2;
-    for (int t = 0; t < T; t++) {
-        const float *cs = cos_sin + (size_t)positions[t] * D;
-        for (int h = 0; h < Hq + Hkv; h++) {
-            float *x = h < Hq ? q + (size_t)t * q_stride + h * D : k + (size_t)t * k_stride + (h - Hq) * D;
-            for (int i = 0; i < half; i++) {
-                const float x1 = x[i], x2 = x[i + half], c = cs[i], s = cs[i + half];
-                x[i] = x1 * c - x2 * s;
-                x[i + half] = x2 * c + x1 * s;
-            }
-        }
-        const size_t slot = (size_t)slots[t] * Hkv * D;
-        memcpy(k_cache + slot, k + (size_t)t * k_stride, (size_t)Hkv * D * sizeof(float));
-        memcpy(v_cache + slot, v + (size_t)t * v_stride, (size_t)Hkv * D * sizeof(float));
-    }
+    for (int t = 0; t < T; t++)
+        rope_store_token(q + (size_t)t * q_stride, k + (size_t)t * k_stride, v + (size_t)t * v_stride,
+                         positions[t], slots[t], Hq, Hkv, D, cos_sin, k_cache, v_cache);
 }
 
 /* Decode attention over the paged cache, read in place (no gathered copy).
@@ -400,26 +534,151 @@ static void attend_one(const float *qr, const float *k_cache, const float *v_cac
     }
 }
 
-void tri_decode_attention(const float *q, int q_stride, const float *k_cache,
-                          const float *v_cache, const int64_t *page_table, int max_pages,
-                          const int64_t *seq_lens, int B, int Hq, int Hkv, int D, int S,
-                          float scale, float *out, int max_len, int nthreads) {
+static void decode_attention_omp(const float *q, int q_stride, const float *k_cache,
+                                 const float *v_cache, const int64_t *page_table, int max_pages,
+                                 const int64_t *seq_lens, int B, int Hq, int Hkv, int D, int S,
+                                 float scale, float *out, int max_len, int nthreads) {
     const int G = Hq / Hkv;
     /* Enough sequences: one work item each. Fewer than two per thread: one per (sequence, head). */
     const int per_head = B < 2 * nthreads;
     const int items = per_head ? B * Hq : B;
+    float *scores = malloc((size_t)max_len * sizeof(float));
+    #pragma omp for schedule(dynamic)
+    for (int i = 0; i < items; i++) {
+        const int b = per_head ? i / Hq : i;
+        const int L = (int)seq_lens[b];
+        const int64_t *pages = page_table + (size_t)b * max_pages;
+        for (int h = per_head ? i % Hq : 0; h < (per_head ? i % Hq + 1 : Hq); h++)
+            attend_one(q + (size_t)b * q_stride + (size_t)h * D, k_cache, v_cache, pages, L,
+                       h / G, Hkv, D, S, scale, scores, out + ((size_t)b * Hq + h) * D);
+    }
+    free(scores);
+}
+
+void tri_decode_attention(const float *q, int q_stride, const float *k_cache,
+                          const float *v_cache, const int64_t *page_table, int max_pages,
+                          const int64_t *seq_lens, int B, int Hq, int Hkv, int D, int S,
+                          float scale, float *out, int max_len, int nthreads) {
+    #pragma omp parallel num_threads(nthreads)
+    decode_attention_omp(q, q_stride, k_cache, v_cache, page_table, max_pages, seq_lens, B, Hq,
+                         Hkv, D, S, scale, out, max_len, nthreads);
+}
+
+/* -- A whole decode step in one call --------------------------------------------------------------
+ *
+ * A decode step of a small model is ~10 ops per layer; called one by one from Python, each costs a
+ * dispatch and a fork/join of the threads, ~6 ms of a 15 ms step for a 135M model. Here the step
+ * (embedding, every layer, the final norm, the lm_head) runs in one parallel region; the threads
+ * meet at a barrier between ops. Each op is the same code the op-by-op path runs, in the same
+ * order, so the logits are bitwise the same. Only for a step of B sequences decoding one token
+ * each, with every linear weight in a block format. */
+
+typedef struct {
+    int fmt;
+    const uint8_t *w;
+    size_t row_bytes;
+    int N, K;
+    const float *bias;     /* or NULL */
+    int int16_activations;
+} tri_lin;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    const float *q_norm, *k_norm;  /* per-head norms (Qwen3), or NULL */
+    tri_lin qkv, o, gate_up, down;
+} tri_layer;
+
+typedef struct {
+    int num_layers, H, Hq, Hkv, D, I, page_size;
+    float eps, scale;
+    int embed_fmt;            /* a block format, or 0: fp32 rows of H floats */
+    const uint8_t *embed;
+    size_t embed_row_bytes;
+    const float *final_norm;
+    tri_lin lm_head;
+    const float *cos_sin;
+    const tri_layer *layers;  /* num_layers of them */
+} tri_model;
+
+/* One linear inside the step's region: the prep by one thread, then the rows shared out.
+ * ``xsum``, ``qx``, ``dx`` are the step's scratch (room for B rows of the widest input). */
+static void step_linear(const tri_lin *L, const float *x, int M, float *y, float *xsum,
+                        uint8_t *qx, float *dx) {
+    if (M >= FEW_ROWS) {
+        linear_tiles_omp(L->fmt, x, M, L->K, L->w, L->row_bytes, L->N, L->bias, y);
+        return;
+    }
+    uint8_t *q = L->int16_activations ? qx : NULL;
+    #pragma omp single
+    linear_prep(L->fmt, x, M, L->K, xsum, q, dx);
+    linear_few_rows_omp(L->fmt, x, M, L->K, L->w, L->row_bytes, L->N, L->bias, y, xsum, q, dx);
+}
+
+/* logits [B, vocab] for B sequences each decoding one token: ids, positions and KV slots of the
+ * new tokens, the page table [B, max_pages] and context lengths (after this token) of each. */
+int tri_decode_step(const tri_model *m, float *const *k_caches, float *const *v_caches, int B,
+                    const int64_t *ids, const int64_t *positions, const int64_t *slots,
+                    const int64_t *page_table, int max_pages, const int64_t *seq_lens,
+                    int max_len, float *logits, int nthreads) {
+    const int H = m->H, Hq = m->Hq, Hkv = m->Hkv, D = m->D, I = m->I;
+    const int QKV = (Hq + 2 * Hkv) * D;
+    int widest = H > I ? H : I;
+    if (Hq * D > widest) widest = Hq * D;
+    float *hidden = malloc((size_t)B * H * sizeof(float));
+    float *residual = malloc((size_t)B * H * sizeof(float));
+    float *normed = malloc((size_t)B * H * sizeof(float));
+    float *qkv = malloc((size_t)B * QKV * sizeof(float));
+    float *attn = malloc((size_t)B * Hq * D * sizeof(float));
+    float *gate_up = malloc((size_t)B * 2 * I * sizeof(float));
+    float *act = malloc((size_t)B * I * sizeof(float));
+    float *xsum = malloc((size_t)B * (widest / 32) * sizeof(float));
+    uint8_t *qx = aligned_alloc(64, B * qx_row_bytes(widest));
+    float *dx = malloc((size_t)B * (widest / 32) * sizeof(float));
+    if (!hidden || !residual || !normed || !qkv || !attn || !gate_up || !act || !xsum || !qx || !dx) {
+        free(hidden); free(residual); free(normed); free(qkv); free(attn); free(gate_up);
+        free(act); free(xsum); free(qx); free(dx);
+        return -1;
+    }
+    for (int b = 0; b < B; b++) {
+        float *row = residual + (size_t)b * H;  /* the embedding is layer 0's residual */
+        if (m->embed_fmt)
+            dequant_row(m->embed_fmt, m->embed + (size_t)ids[b] * m->embed_row_bytes, H, row);
+        else
+            memcpy(row, m->embed + (size_t)ids[b] * m->embed_row_bytes, (size_t)H * sizeof(float));
+    }
     #pragma omp parallel num_threads(nthreads)
     {
-        float *scores = malloc((size_t)max_len * sizeof(float));
-        #pragma omp for schedule(dynamic)
-        for (int i = 0; i < items; i++) {
-            const int b = per_head ? i / Hq : i;
-            const int L = (int)seq_lens[b];
-            const int64_t *pages = page_table + (size_t)b * max_pages;
-            for (int h = per_head ? i % Hq : 0; h < (per_head ? i % Hq + 1 : Hq); h++)
-                attend_one(q + (size_t)b * q_stride + (size_t)h * D, k_cache, v_cache, pages, L,
-                           h / G, Hkv, D, S, scale, scores, out + ((size_t)b * Hq + h) * D);
+        for (int l = 0; l < m->num_layers; l++) {
+            const tri_layer *L = &m->layers[l];
+            /* layer 0 normalizes the embedding; later layers add the pending residual first */
+            rms_norm_omp(l ? hidden : residual, l ? residual : NULL, l ? residual : NULL,
+                         L->input_norm, B, H, m->eps, normed);
+            step_linear(&L->qkv, normed, B, qkv, xsum, qx, dx);
+            #pragma omp for schedule(static)
+            for (int b = 0; b < B; b++) {
+                float *q = qkv + (size_t)b * QKV, *k = q + Hq * D, *v = k + Hkv * D;
+                if (L->q_norm) {
+                    for (int h = 0; h < Hq; h++)
+                        rms_norm_row(q + h * D, NULL, NULL, L->q_norm, D, m->eps, q + h * D);
+                    for (int h = 0; h < Hkv; h++)
+                        rms_norm_row(k + h * D, NULL, NULL, L->k_norm, D, m->eps, k + h * D);
+                }
+                rope_store_token(q, k, v, positions[b], slots[b], Hq, Hkv, D, m->cos_sin,
+                                 k_caches[l], v_caches[l]);
+            }
+            decode_attention_omp(qkv, QKV, k_caches[l], v_caches[l], page_table, max_pages,
+                                 seq_lens, B, Hq, Hkv, D, m->page_size, m->scale, attn, max_len,
+                                 omp_get_num_threads());
+            step_linear(&L->o, attn, B, hidden, xsum, qx, dx);
+            rms_norm_omp(hidden, residual, residual, L->post_norm, B, H, m->eps, normed);
+            step_linear(&L->gate_up, normed, B, gate_up, xsum, qx, dx);
+            silu_and_mul_omp(gate_up, B, I, act);
+            step_linear(&L->down, act, B, hidden, xsum, qx, dx);
         }
-        free(scores);
+        rms_norm_omp(hidden, residual, residual, m->final_norm, B, H, m->eps, normed);
+        step_linear(&m->lm_head, normed, B, logits, xsum, qx, dx);
     }
+    free(hidden); free(residual); free(normed); free(qkv); free(attn); free(gate_up);
+    free(act); free(xsum); free(qx); free(dx);
+    return 0;
 }

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu, reference
-from kernels.cpu import CpuKernels, PackedWeight
+from kernels.cpu import CpuKernels, DecoderWeights, DecodeStep, PackedWeight
 
 _FORCE_REFERENCE = os.environ.get("TRIO_INFER_KERNELS", "") == "reference"
 
@@ -234,3 +234,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if kernels is not None and x.dim() == 2:
         return kernels.silu_and_mul(x, torch.get_num_threads())
     return reference.silu_and_mul(x)
+
+
+def decode_step(weights: DecoderWeights, page_size: int) -> DecodeStep | None:
+    """The model's whole decode step as one C call (:class:`kernels.cpu.DecodeStep`), or None
+    where it cannot run: no C kernels, or a tensor that is not contiguous fp32 on the CPU."""
+    tensors = [weights.final_norm, weights.cos_sin]
+    if not isinstance(weights.embed, PackedWeight):
+        tensors.append(weights.embed)
+    for layer in weights.layers:
+        tensors += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
+                                layer.qkv[1], layer.o[1], layer.gate_up[1], layer.down[1])
+                    if t is not None]
+    kernels = _cpu(*tensors)
+    if kernels is None or weights.head_dim % 8 or weights.num_heads % weights.num_kv_heads:
+        return None
+    return kernels.decode_step(weights, page_size)

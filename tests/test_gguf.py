@@ -417,6 +417,71 @@ def test_tiny_gguf_matches_its_checkpoint(case: str, tiny_checkpoint_factory: Ch
         assert (logits - original).abs().max().item() < (1e-4 if qtype == "F32" else 0.2)
 
 
+# --- the one-call decode step ----------------------------------------------------------------------
+
+
+def decode_logits(model: Any, batch_size: int, fused: bool, seed: int = 0
+                  ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """One decode step of ``batch_size`` sequences of different lengths over random caches:
+    the logits and the caches after it (the step stores its keys and values)."""
+    info = model.info
+    page_size, longest = 16, 70
+    pages_per_seq = math.ceil((longest + 1) / page_size)
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch_size * pages_per_seq, page_size, info.num_kv_heads, info.head_dim)
+    k = [torch.randn(shape, generator=g) for _ in range(info.num_layers)]
+    v = [torch.randn(shape, generator=g) for _ in range(info.num_layers)]
+    # Pages shuffled: a sequence's pages are not adjacent.
+    table = torch.randperm(batch_size * pages_per_seq, generator=g).view(batch_size, -1)
+    pos = longest - 7 * torch.arange(batch_size)
+    batch = ForwardBatch(
+        input_ids=torch.randint(0, info.vocab_size, (batch_size,), generator=g), positions=pos,
+        slot_mapping=table[torch.arange(batch_size), pos // page_size] * page_size + pos % page_size,
+        page_table=table, seq_lens=pos + 1, query_start_loc=torch.arange(batch_size + 1),
+        num_decodes=batch_size, logits_indices=torch.arange(batch_size), max_query_len=1,
+        max_seq_len=longest + 1,
+    )
+    model.fused_decode = fused
+    try:
+        logits = model.forward(batch, k, v)
+    finally:
+        model.fused_decode = True
+    return logits, k, v
+
+
+def assert_one_call_step_is_exact(model: Any) -> None:
+    """The one-call step runs the op-by-op path's kernels in the same order: bitwise equal."""
+    for batch_size in (1, 2, 3, 5):  # few-rows and tile linears, per-head and per-sequence attention
+        fused, kf, vf = decode_logits(model, batch_size, fused=True)
+        ops_path, ko, vo = decode_logits(model, batch_size, fused=False)
+        assert torch.equal(fused, ops_path), batch_size
+        assert all(torch.equal(a, b) for a, b in zip(kf + vf, ko + vo)), batch_size
+
+
+@needs_smollm2
+@pytest.mark.parametrize("int16", [False, True])
+def test_smollm2_one_call_decode_step_is_the_op_by_op_step(smollm2: tuple[Any, Any],
+                                                            int16: bool) -> None:
+    if cpu.load() is None:
+        pytest.skip("the CPU kernels do not build here")
+    model = smollm2[0] if not int16 else load_model(SMOLLM2, int16_activations=True)
+    assert_one_call_step_is_exact(model)
+    assert model.one_call_decode
+
+
+@pytest.mark.parametrize("case", ["llama-untied-q4_0", "qwen2-bias-untied-q8_0", "qwen3-q4_1"])
+def test_tiny_one_call_decode_step_is_the_op_by_op_step(
+        case: str, tiny_checkpoint_factory: CheckpointFactory, tmp_path: Path) -> None:
+    """Untied lm_head, Qwen2's q/k/v biases, Qwen3's per-head q/k norms."""
+    if cpu.load() is None:
+        pytest.skip("the CPU kernels do not build here")
+    architecture, overrides, qtype = TINY_CASES[case]
+    path = write_gguf(tiny_checkpoint_factory(architecture, **overrides), tmp_path / "t.gguf", qtype)
+    model = load_model(path)
+    assert_one_call_step_is_exact(model)
+    assert model.one_call_decode
+
+
 # --- errors -------------------------------------------------------------------------------------
 
 

@@ -23,19 +23,20 @@ def pack(w: torch.Tensor, fmt: str) -> tuple[PackedWeight, torch.Tensor]:
     """``w`` quantized to ``fmt`` by gguf, and the fp32 values those blocks stand for."""
     qtype = getattr(GGMLQuantizationType, fmt)
     blocks = np.ascontiguousarray(quantize(w.numpy(), qtype))
-    packed = PackedWeight(fmt, torch.from_numpy(blocks).view(torch.uint8).reshape(w.shape[0], -1),
-                          w.shape[1])
+    packed = PackedWeight.from_blocks(
+        fmt, torch.from_numpy(blocks).view(torch.uint8).reshape(w.shape[0], -1), w.shape[1])
     return packed, torch.from_numpy(dequantize(blocks, qtype)).reshape(w.shape)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 64, 130])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_dequantized_matmul(fmt: str, rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("k", [96, 576])  # 3 and 18 blocks: a part of a group of 8, and more
+def test_linear_matches_dequantized_matmul(fmt: str, rows: int, bias: bool, k: int) -> None:
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(70, 96, generator=g) * 0.05  # 70 rows: a last tile of 2 weight rows
+    w = torch.randn(70, k, generator=g) * 0.05  # 70 rows: a last tile of 2 weight rows
     packed, dense = pack(w, fmt)
-    x = torch.randn(rows, 96, generator=g)
+    x = torch.randn(rows, k, generator=g)
     b = torch.randn(70, generator=g) if bias else None
     got = ops.linear(x, packed, b)
     want = (x.double() @ dense.double().T + (b.double() if b is not None else 0)).float()
@@ -44,14 +45,16 @@ def test_linear_matches_dequantized_matmul(fmt: str, rows: int, bias: bool) -> N
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 3, 4])
-def test_linear_with_int16_activations_is_close(fmt: str, rows: int) -> None:
+@pytest.mark.parametrize("k", [96, 128, 288, 576])
+def test_linear_with_int16_activations_is_close(fmt: str, rows: int, k: int) -> None:
     """1-3 rows take the int16 kernel (x rounded per 32-block: relative error ~5e-5); from 4
-    rows on the exact kernel runs whatever the flag."""
+    rows on the exact kernel runs whatever the flag. K of 3, 4, 9 and 18 blocks: the kernel
+    takes 8 blocks at a time, 4-bit codes two blocks at a time (an odd block count pads)."""
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(64, 128, generator=g) * 0.05
+    w = torch.randn(64, k, generator=g) * 0.05
     packed, dense = pack(w, fmt)
     packed = PackedWeight(packed.fmt, packed.data, packed.in_features, int16_activations=True)
-    x = torch.randn(rows, 128, generator=g)
+    x = torch.randn(rows, k, generator=g)
     want = (x.double() @ dense.double().T).float()
     got = ops.linear(x, packed)
     err = ((got - want).norm() / want.norm()).item()

@@ -337,14 +337,14 @@ def _eos_token_ids(fields: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _blocks(tensor: Any) -> PackedWeight:
-    """One GGUF tensor's raw blocks, a row of blocks per output feature (no copy of the values
-    beyond making them writable torch memory)."""
+    """One GGUF tensor's blocks, a row of blocks per output feature, in the kernels' row layout
+    (:meth:`PackedWeight.from_blocks`)."""
     fmt = tensor.tensor_type.name
     rows, cols = (int(d) for d in reversed(tensor.shape.tolist()))
     data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True)).reshape(rows, -1)
     if data.shape[1] != cols // BLOCK_SIZE * BLOCK_BYTES[fmt]:
         raise GGUFError(f"{tensor.name}: {fmt} rows of {data.shape[1]} bytes for {cols} columns")
-    return PackedWeight(fmt, data, cols)
+    return PackedWeight.from_blocks(fmt, data, cols)
 
 
 def _dequantize(tensor: Any) -> torch.Tensor:

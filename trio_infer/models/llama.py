@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.cpu import PackedWeight
+from kernels.cpu import DecoderLayerWeights, DecoderWeights, DecodeStep, PackedWeight
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.models.attention import paged_attention
 from trio_infer.models.base import ModelInfo
@@ -427,6 +427,10 @@ class LlamaForCausalLM(nn.Module):
             if spec.tie_word_embeddings and self.lm_head.packed is not None:
                 self.lm_head.packed = self.model.embed_tokens.packed
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
+        # Pure decode steps on the CPU kernels run as one C call (kernels.ops.decode_step),
+        # built on first use per page size; False turns it off (tests compare both paths).
+        self.fused_decode = True
+        self._decode_steps: dict[int, DecodeStep | None] = {}
 
     @torch.inference_mode()
     def forward(
@@ -440,6 +444,11 @@ class LlamaForCausalLM(nn.Module):
         The final norm and the lm_head run only on ``batch.logits_indices``: a prefill of a few
         thousand tokens needs one row of logits, not a [T, vocab] matrix.
         """
+        step = self._decode_step(batch, k_caches[0]) if self.fused_decode else None
+        if step is not None:
+            return step(batch.input_ids, batch.positions, batch.slot_mapping, batch.page_table,
+                        batch.seq_lens, batch.max_seq_len, k_caches, v_caches,
+                        torch.get_num_threads())
         hidden = ops.embedding(batch.input_ids, _table_weight(self.model.embed_tokens))
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
@@ -451,6 +460,49 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.norm(hidden, residual[rows] if residual is not None else None)[0]
         return ops.linear(hidden, _table_weight(self.lm_head)).float()
 
+    @property
+    def one_call_decode(self) -> bool:
+        """Whether decode steps have run as one C call (:func:`kernels.ops.decode_step`)."""
+        return any(step is not None for step in self._decode_steps.values())
+
+    def _decode_step(self, batch: ForwardBatch, k_cache: torch.Tensor) -> DecodeStep | None:
+        """The one-call decode step (:func:`kernels.ops.decode_step`) if this batch can take it:
+        every sequence decodes one token and wants its logits, on the CPU kernels' layouts."""
+        if not (batch.num_decodes == batch.num_seqs == batch.num_tokens
+                and batch.logits_indices.shape[0] == batch.num_tokens
+                and batch.max_seq_len is not None
+                and batch.page_table.dtype == torch.int64 and batch.page_table.stride(1) == 1
+                and k_cache.dtype == torch.float32 and k_cache.is_contiguous()):
+            return None
+        page_size = int(k_cache.shape[1])
+        if self._decode_steps.get(page_size, False) is False:
+            weights = self._decoder_weights()
+            self._decode_steps[page_size] = (
+                None if weights is None else ops.decode_step(weights, page_size))
+        return self._decode_steps[page_size]
+
+    def _decoder_weights(self) -> DecoderWeights | None:
+        """The model for the one-call decode step; None unless every linear is in blocks."""
+        lm_head = _table_weight(self.lm_head)
+        if not isinstance(lm_head, PackedWeight):
+            return None
+        layers = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(lin.packed is None for lin in linears):
+                return None
+            qkv, o, gate_up, down = ((lin.packed, lin.bias) for lin in linears)
+            layers.append(DecoderLayerWeights(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                attn.q_norm.weight if attn.q_norm is not None else None,
+                attn.k_norm.weight if attn.k_norm is not None else None,
+                qkv, o, gate_up, down))
+        return DecoderWeights(
+            self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
+            self.spec.rms_norm_eps, _table_weight(self.model.embed_tokens), layers,
+            self.model.norm.weight, lm_head, self.cos_sin_cache)
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters, fusing as it goes.
@@ -458,6 +510,7 @@ class LlamaForCausalLM(nn.Module):
         Raises ``ValueError`` on a tensor the model has no place for, a shape mismatch, or a
         parameter the checkpoint never provided: a half-loaded model would run and emit garbage.
         """
+        self._decode_steps.clear()  # built over the old tensors
         params: dict[str, Any] = dict(self.named_parameters())
         params.update(self._packed_weights())
         expected = set(params)
