@@ -30,6 +30,8 @@
 
 enum { FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q8_0 = 8 };
 
+#define INLINE static inline __attribute__((always_inline))
+
 /* Weight rows dequantized together; x rows multiplied against them together. */
 #define NT 4
 #define MT 2
@@ -146,36 +148,26 @@ static void tile(const float *x, int ldx, int m0, int m1, int K, const float *w,
  * minimums and x's block sums of 8 blocks are applied with a few vector instructions. */
 
 /* The sums of 8 vectors, one per block: lane j = sum of v[j]. */
-static inline __m256 reduce8_ps(const __m256 v[8]) {
+INLINE __m256 reduce8_ps(const __m256 v[8]) {
     const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
     const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-static inline __m256i reduce8_epi32(const __m256i v[8]) {
+INLINE __m256i reduce8_epi32(const __m256i v[8]) {
     const __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
     const __m256i t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
     return _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20),
                             _mm256_permute2x128_si256(t0, t1, 0x31));
 }
 
-/* Up to 8 fp16 values (n of them; the rest 0) as floats. */
-static inline __m256 load_halves(const uint8_t *p, int n) {
-    if (n == 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    uint16_t h[8] = {0};
-    memcpy(h, p, (size_t)n * 2);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
-}
-
-static inline __m256 load_floats(const float *p, int n) {
-    if (n == 8) return _mm256_loadu_ps(p);
-    float f[8] = {0};
-    memcpy(f, p, (size_t)n * 4);
-    return _mm256_loadu_ps(f);
+/* 8 fp16 values as floats. */
+INLINE __m256 load_halves(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
 /* dot(codes of block b, x_b) as 8 partial sums (fp32 x). */
-static inline __m256 block_dot_ps(int fmt, const uint8_t *row, int b, const float *xb) {
+INLINE __m256 block_dot_ps(int fmt, const uint8_t *row, int b, const float *xb) {
     __m256 f[4];
     if (fmt == FMT_Q8_0) {
         for (int j = 0; j < 4; j++)
@@ -196,31 +188,53 @@ static inline __m256 block_dot_ps(int fmt, const uint8_t *row, int b, const floa
     return _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), s);
 }
 
-/* The offset term of 8 blocks: m_j * xs_j, where m is Q4_1's minimum, -8d for Q4_0, 0 for Q8_0. */
-static inline __m256 offsets(int fmt, const uint8_t *ds, int nb, int b, int n, const float *xs,
-                             __m256 acc) {
+/* The offset term of 8 blocks from b: m_j * xs_j, where m is Q4_1's minimum, -8d for Q4_0, 0 for
+ * Q8_0; ``offset`` is one block's m. */
+INLINE __m256 offsets(int fmt, const uint8_t *ds, int nb, int b, const float *xs, __m256 acc) {
     if (fmt == FMT_Q4_1)
-        return _mm256_fmadd_ps(load_halves(ds + 2 * (size_t)nb + 2 * b, n), load_floats(xs + b, n), acc);
+        return _mm256_fmadd_ps(load_halves(ds + 2 * (size_t)nb + 2 * b), _mm256_loadu_ps(xs + b), acc);
     if (fmt == FMT_Q4_0)
-        return _mm256_fmadd_ps(_mm256_mul_ps(load_halves(ds + 2 * b, n), _mm256_set1_ps(-8.0f)),
-                               load_floats(xs + b, n), acc);
+        return _mm256_fmadd_ps(_mm256_mul_ps(load_halves(ds + 2 * b), _mm256_set1_ps(-8.0f)),
+                               _mm256_loadu_ps(xs + b), acc);
     return acc;
+}
+
+INLINE float offset(int fmt, const uint8_t *ds, int nb, int b) {
+    if (fmt == FMT_Q4_1) return half_to_float(ds + 2 * (size_t)nb + 2 * b);
+    if (fmt == FMT_Q4_0) return -8.0f * half_to_float(ds + 2 * b);
+    return 0.0f;
 }
 
 /* dot(w_row, x), exact: sum over blocks of d * dot(codes, x_b) + m * sum(x_b); ``xsum`` holds
  * sum(x_b) per block. */
-static float dot_row(int fmt, const uint8_t *row, const float *x, const float *xsum, int nb) {
+INLINE __m256 group_f32(int fmt, const uint8_t *row, const uint8_t *ds, int nb, int b,
+                        const float *x, const float *xsum, __m256 acc) {
+    __m256 v[8];
+    for (int j = 0; j < 8; j++)
+        v[j] = block_dot_ps(fmt, row, b + j, x + (size_t)(b + j) * 32);
+    acc = _mm256_fmadd_ps(reduce8_ps(v), load_halves(ds + 2 * b), acc);
+    return offsets(fmt, ds, nb, b, xsum, acc);
+}
+
+INLINE float dot_row_fmt(int fmt, const uint8_t *row, const float *x, const float *xsum, int nb) {
     const uint8_t *ds = row_scales(fmt, row, nb);
     __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b += 8) {
-        const int n = nb - b < 8 ? nb - b : 8;
-        __m256 v[8];
-        for (int j = 0; j < 8; j++)
-            v[j] = j < n ? block_dot_ps(fmt, row, b + j, x + (size_t)(b + j) * 32) : _mm256_setzero_ps();
-        acc = _mm256_fmadd_ps(reduce8_ps(v), load_halves(ds + 2 * b, n), acc);
-        acc = offsets(fmt, ds, nb, b, n, xsum, acc);
+    int b = 0;
+    for (; b + 8 <= nb; b += 8)
+        acc = group_f32(fmt, row, ds, nb, b, x, xsum, acc);
+    float tail = 0.0f;  /* the last nb % 8 blocks, one at a time */
+    for (; b < nb; b++)
+        tail += hsum(block_dot_ps(fmt, row, b, x + (size_t)b * 32)) * half_to_float(ds + 2 * b)
+                + offset(fmt, ds, nb, b) * xsum[b];
+    return hsum(acc) + tail;
+}
+
+static float dot_row(int fmt, const uint8_t *row, const float *x, const float *xsum, int nb) {
+    switch (fmt) {
+    case FMT_Q4_0: return dot_row_fmt(FMT_Q4_0, row, x, xsum, nb);
+    case FMT_Q4_1: return dot_row_fmt(FMT_Q4_1, row, x, xsum, nb);
+    default: return dot_row_fmt(FMT_Q8_0, row, x, xsum, nb);
     }
-    return hsum(acc);
 }
 
 static void block_sums(const float *x, int K, float *out) {
@@ -272,7 +286,7 @@ static void quantize_row_q16(int fmt, const float *x, int K, uint8_t *qx, float 
 }
 
 /* sum(code * x) of blocks b and b + 1 (4-bit codes): lanes 0-3 block b's partial sums, 4-7 b + 1's. */
-static inline __m256i pair_dot_q4(const uint8_t *codes, const uint8_t *xp, int both) {
+INLINE __m256i pair_dot_q4(const uint8_t *codes, const uint8_t *xp, int both) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m256i q = both ? _mm256_loadu_si256((const __m256i *)codes)
                            : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)codes));
@@ -289,42 +303,71 @@ static inline __m256i pair_dot_q4(const uint8_t *codes, const uint8_t *xp, int b
 }
 
 /* sum(code * x) of Q8_0 block b as 8 partial sums. */
-static inline __m256i block_dot_q8(const uint8_t *row, int b, const int16_t *xb) {
+INLINE __m256i block_dot_q8(const uint8_t *row, int b, const int16_t *xb) {
     const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 32 * b)));
     const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 32 * b + 16)));
     return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_load_si256((const __m256i *)xb)),
                             _mm256_madd_epi16(w1, _mm256_load_si256((const __m256i *)(xb + 16))));
 }
 
-static float dot_row_q16(int fmt, const uint8_t *row, const uint8_t *qx, const float *dx,
-                         const float *xs, int nb) {
-    const uint8_t *ds = row_scales(fmt, row, nb);
+/* 8 blocks from b into acc. Always inlined, and called with a constant fmt: no branch inside. */
+INLINE __m256 group_q16(int fmt, const uint8_t *row, const uint8_t *ds, int nb, int b,
+                        const uint8_t *qx, const float *dx, const float *xs, __m256 acc) {
     /* pair sums come out as [b0 b2 b4 b6 | b1 b3 b5 b7]: back to block order */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b += 8) {
-        const int n = nb - b < 8 ? nb - b : 8;
-        __m256i sums;
-        if (fmt == FMT_Q8_0) {
-            __m256i v[8];
-            for (int j = 0; j < 8; j++)
-                v[j] = j < n ? block_dot_q8(row, b + j, (const int16_t *)(qx + (size_t)(b + j) * QX_BLOCK_BYTES))
-                             : _mm256_setzero_si256();
-            sums = reduce8_epi32(v);
-        } else {
-            __m256i v[4];
-            for (int j = 0; j < 4; j++)
-                v[j] = 2 * j < n ? pair_dot_q4(row + 16 * (size_t)(b + 2 * j),
-                                               qx + (size_t)(b + 2 * j) * QX_BLOCK_BYTES, 2 * j + 1 < n)
-                                 : _mm256_setzero_si256();
-            sums = _mm256_permutevar8x32_epi32(
-                _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3])), order);
-        }
-        const __m256 scale = _mm256_mul_ps(load_halves(ds + 2 * b, n), load_floats(dx + b, n));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
-        acc = offsets(fmt, ds, nb, b, n, xs, acc);
+    __m256i sums;
+    if (fmt == FMT_Q8_0) {
+        __m256i v[8];
+        for (int j = 0; j < 8; j++)
+            v[j] = block_dot_q8(row, b + j, (const int16_t *)(qx + (size_t)(b + j) * QX_BLOCK_BYTES));
+        sums = reduce8_epi32(v);
+    } else {
+        __m256i v[4];
+        for (int j = 0; j < 4; j++)
+            v[j] = pair_dot_q4(row + 16 * (size_t)(b + 2 * j), qx + (size_t)(b + 2 * j) * QX_BLOCK_BYTES, 1);
+        sums = _mm256_permutevar8x32_epi32(
+            _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3])), order);
     }
-    return hsum(acc);
+    const __m256 scale = _mm256_mul_ps(load_halves(ds + 2 * b), _mm256_loadu_ps(dx + b));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
+    return offsets(fmt, ds, nb, b, xs, acc);
+}
+
+INLINE float dot_row_q16_fmt(int fmt, const uint8_t *row, const uint8_t *qx, const float *dx,
+                             const float *xs, int nb) {
+    const uint8_t *ds = row_scales(fmt, row, nb);
+    __m256 acc = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 8 <= nb; b += 8)
+        acc = group_q16(fmt, row, ds, nb, b, qx, dx, xs, acc);
+    float tail = 0.0f;  /* the last nb % 8 blocks: one at a time, or a pair at a time */
+    for (; b < nb; b += fmt == FMT_Q8_0 ? 1 : 2) {
+        int32_t sums[8];
+        if (fmt == FMT_Q8_0) {
+            _mm256_storeu_si256((__m256i *)sums,
+                                block_dot_q8(row, b, (const int16_t *)(qx + (size_t)b * QX_BLOCK_BYTES)));
+        } else {  /* lanes 0-3: block b, 4-7: block b + 1 */
+            _mm256_storeu_si256((__m256i *)sums, pair_dot_q4(row + 16 * (size_t)b,
+                                                             qx + (size_t)b * QX_BLOCK_BYTES, b + 1 < nb));
+        }
+        for (int j = 0; j < (fmt == FMT_Q8_0 ? 1 : 2) && b + j < nb; j++) {
+            const int32_t s = fmt == FMT_Q8_0
+                ? sums[0] + sums[1] + sums[2] + sums[3] + sums[4] + sums[5] + sums[6] + sums[7]
+                : sums[4 * j] + sums[4 * j + 1] + sums[4 * j + 2] + sums[4 * j + 3];
+            tail += (float)s * (half_to_float(ds + 2 * (b + j)) * dx[b + j])
+                    + offset(fmt, ds, nb, b + j) * xs[b + j];
+        }
+    }
+    return hsum(acc) + tail;
+}
+
+static float dot_row_q16(int fmt, const uint8_t *row, const uint8_t *qx, const float *dx,
+                         const float *xs, int nb) {
+    switch (fmt) {
+    case FMT_Q4_0: return dot_row_q16_fmt(FMT_Q4_0, row, qx, dx, xs, nb);
+    case FMT_Q4_1: return dot_row_q16_fmt(FMT_Q4_1, row, qx, dx, xs, nb);
+    default: return dot_row_q16_fmt(FMT_Q8_0, row, qx, dx, xs, nb);
+    }
 }
 
 /* The pieces below run inside a parallel region their caller opens: their loops are orphaned
