@@ -51,6 +51,26 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* exp of 8 floats: 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, e^r by a degree-6
+ * polynomial (Cephes' expf coefficients): within 2 ulp of expf. x is clamped to [-87.3, 88.7]
+ * (below, 0; above, a large finite value: softmax and SiLU only need those limits). */
+static inline __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
 static inline __m256 u8x8_to_float(__m128i v) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
 }
@@ -141,7 +161,15 @@ static void tile(const float *x, int ldx, int m0, int m1, int K, const float *w,
 
 /* Rows of x below this many go through dot_row (weights unpacked in registers, used once);
  * from it on, through tile (each weight dequantized once into L1, used by MT rows at a time). */
-#define FEW_ROWS 4
+#define FEW_ROWS_EXACT 2
+#define FEW_ROWS_INT16 4
+
+/* Whether M rows of x take the few-rows kernels (else the tiles). Measured on SmolLM2 at 2
+ * threads: the exact kernel decodes the weights once per row of x, so from 2 rows on the tiles
+ * (decoded once into L1) win; the int16 kernel's integer products keep it ahead up to 3 rows. */
+static inline int few_rows(int M, int int16_activations) {
+    return M < (int16_activations ? FEW_ROWS_INT16 : FEW_ROWS_EXACT);
+}
 
 /* The few-rows kernels take 8 blocks at a time: one 8-lane vector per block (or per pair of
  * blocks) of partial sums, reduced to one vector holding each block's sum, so the scales, the
@@ -388,7 +416,7 @@ static void linear_prep(int fmt, const float *x, int M, int K, float *xsum, uint
     }
 }
 
-/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M < FEW_ROWS, after linear_prep: exact (dot_row), or
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias), few_rows(M), after linear_prep: exact (dot_row), or
  * with x rounded to int16 (dot_row_q16) when qx is given. */
 static void linear_few_rows_omp(int fmt, const float *x, int M, int K, const uint8_t *w,
                                 size_t row_bytes, int N, const float *bias, float *y,
@@ -406,7 +434,7 @@ static void linear_few_rows_omp(int fmt, const float *x, int M, int K, const uin
     }
 }
 
-/* The same product for M >= FEW_ROWS: tiles of NT weight rows dequantized into L1 (a buffer
+/* The same product for more rows: tiles of NT weight rows dequantized into L1 (a buffer
  * per thread), MB rows of x per pass. */
 static void linear_tiles_omp(int fmt, const float *x, int M, int K, const uint8_t *w,
                              size_t row_bytes, int N, const float *bias, float *y) {
@@ -428,13 +456,13 @@ static void linear_tiles_omp(int fmt, const float *x, int M, int K, const uint8_
 }
 
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ bias). W's rows are ``row_bytes`` apart, in ``fmt``.
- * K must be a multiple of 32. With ``int16_activations``, fewer than FEW_ROWS rows of x go
- * through the int16 variant. Returns 0, or -1 on a bad argument. */
+ * K must be a multiple of 32. With ``int16_activations``, up to 3 rows of x go through the
+ * int16 variant (see few_rows). Returns 0, or -1 on a bad argument. */
 int tri_linear(int fmt, const float *x, int M, int K, const uint8_t *w, size_t row_bytes, int N,
                const float *bias, float *y, int int16_activations, int nthreads) {
     if (K % 32 != 0 || tri_block_bytes(fmt) == 0)
         return -1;
-    if (M >= FEW_ROWS) {
+    if (!few_rows(M, int16_activations)) {
         #pragma omp parallel num_threads(nthreads)
         linear_tiles_omp(fmt, x, M, K, w, row_bytes, N, bias, y);
         return 0;
@@ -494,7 +522,14 @@ static void silu_and_mul_omp(const float *x, int M, int I, float *y) {
     for (int m = 0; m < M; m++) {
         const float *g = x + (size_t)m * 2 * I, *u = g + I;
         float *o = y + (size_t)m * I;
-        for (int i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        int i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                                  _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 
@@ -555,8 +590,15 @@ static void attend_one(const float *qr, const float *k_cache, const float *v_cac
         scores[p] = s;
         if (s > mx) mx = s;
     }
-    float total = 0.0f;
-    for (int p = 0; p < L; p++) {
+    __m256 sum = _mm256_setzero_ps();
+    int p = 0;
+    for (; p + 8 <= L; p += 8) {
+        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + p), _mm256_set1_ps(mx)));
+        _mm256_storeu_ps(scores + p, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float total = hsum(sum);
+    for (; p < L; p++) {
         scores[p] = expf(scores[p] - mx);
         total += scores[p];
     }
@@ -647,7 +689,7 @@ typedef struct {
  * ``xsum``, ``qx``, ``dx`` are the step's scratch (room for B rows of the widest input). */
 static void step_linear(const tri_lin *L, const float *x, int M, float *y, float *xsum,
                         uint8_t *qx, float *dx) {
-    if (M >= FEW_ROWS) {
+    if (!few_rows(M, L->int16_activations)) {
         linear_tiles_omp(L->fmt, x, M, L->K, L->w, L->row_bytes, L->N, L->bias, y);
         return;
     }
