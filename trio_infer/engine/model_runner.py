@@ -70,13 +70,19 @@ class ModelRunner:
                 logits_indices.append(total - 1)
         page_table = torch.tensor(pages, dtype=torch.int64).view(len(counts), max_pages)
 
-        counts_t = torch.tensor(counts, dtype=torch.int64)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
-        query_start_loc = torch.zeros(len(counts) + 1, dtype=torch.int64)
-        torch.cumsum(counts_t, 0, out=query_start_loc[1:])
-        positions = torch.arange(total, dtype=torch.int64) - query_start_loc[seq_of_token]
-        positions += torch.tensor(starts, dtype=torch.int64)[seq_of_token]
-        slots = page_table[seq_of_token, positions // page_size] * page_size + positions % page_size
+        if total == len(counts):  # a pure decode step (the common one): plain lists, no indexing
+            query_start_loc = torch.arange(total + 1, dtype=torch.int64)
+            positions = torch.tensor(starts, dtype=torch.int64)
+            slots = torch.tensor([it.pages[it.start // page_size] * page_size + it.start % page_size
+                                  for it in schedule.items], dtype=torch.int64)
+        else:
+            counts_t = torch.tensor(counts, dtype=torch.int64)
+            seq_of_token = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
+            query_start_loc = torch.zeros(len(counts) + 1, dtype=torch.int64)
+            torch.cumsum(counts_t, 0, out=query_start_loc[1:])
+            positions = torch.arange(total, dtype=torch.int64) - query_start_loc[seq_of_token]
+            positions += torch.tensor(starts, dtype=torch.int64)[seq_of_token]
+            slots = page_table[seq_of_token, positions // page_size] * page_size + positions % page_size
 
         rows = None
         if lp_rows:

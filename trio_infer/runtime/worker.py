@@ -20,6 +20,7 @@ starts it with one end of a socket pair as fd N and sends the settings as the fi
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import selectors
@@ -314,6 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.exception("the worker could not load the model")
         sock.sendall(encode([Fatal(f"could not load the model: {exc}")]))
         return 1
+    # What is loaded now (torch, the model's modules, the tokenizer) lives as long as the process:
+    # frozen out of the collector's sight, a full collection between steps no longer walks it.
+    gc.collect()
+    gc.freeze()
     try:
         if args.listen is None:
             serve(sock, WorkerCore(engine))
@@ -326,6 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             serve_shared(sock, listener, WorkerCore(engine, num_ports=args.ports))
     except (BrokenPipeError, ConnectionResetError):
         pass  # the front end is gone
+    finally:
+        gc.unfreeze()  # collectable again at exit: extension modules check that they were freed
     return 0
 
 
