@@ -267,9 +267,9 @@ static float dot_row(int fmt, const uint8_t *row, const float *x, const float *x
 
 static void block_sums(const float *x, int K, float *out) {
     for (int b = 0; b < K / 32; b++) {
-        float s = 0.0f;
-        for (int i = 0; i < 32; i++) s += x[b * 32 + i];
-        out[b] = s;
+        const float *xb = x + b * 32;
+        out[b] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                    _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24))));
     }
 }
 
@@ -289,25 +289,32 @@ static void block_sums(const float *x, int K, float *out) {
 static void quantize_row_q16(int fmt, const float *x, int K, uint8_t *qx, float *dx) {
     const int nb = K / 32;
     memset(qx, 0, (size_t)(nb + 1) / 2 * 2 * QX_BLOCK_BYTES);  /* an odd last block's partner: 0 */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < nb; b++) {
         const float *xb = x + b * 32;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) {
-            const float a = fabsf(xb[i]);
-            if (a > amax) amax = a;
-        }
-        const float d = amax / 32767.0f;
+        __m256 amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++)
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * j)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float d = _mm_cvtss_f32(m4) / 32767.0f;
         const float id = d > 0.0f ? 1.0f / d : 0.0f;
         dx[b] = d;
+        /* round to nearest even, as lrintf in the default rounding mode */
+        int32_t v[32];
+        for (int j = 0; j < 4; j++)
+            _mm256_storeu_si256((__m256i *)(v + 8 * j),
+                                _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * j), _mm256_set1_ps(id))));
         for (int i = 0; i < 32; i++) {
-            const int16_t v = (int16_t)lrintf(xb[i] * id);
+            const int16_t q = (int16_t)v[i];
             if (fmt == FMT_Q8_0) {
-                ((int16_t *)qx)[b * 32 + i] = v;
+                ((int16_t *)qx)[b * 32 + i] = q;
             } else {
                 uint8_t *pair = qx + (size_t)(b / 2) * 2 * QX_BLOCK_BYTES;
                 const int at = (b % 2) * 16 + (i % 16) + (i / 16) * 32;
-                pair[at] = (uint8_t)((uint16_t)v >> 8);
-                pair[64 + at] = (uint8_t)(v & 0xFF);
+                pair[at] = (uint8_t)((uint16_t)q >> 8);
+                pair[64 + at] = (uint8_t)(q & 0xFF);
             }
         }
     }
@@ -425,6 +432,9 @@ static void linear_few_rows_omp(int fmt, const float *x, int M, int K, const uin
     #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = w + (size_t)n * row_bytes;
+        /* the row after next on its way from memory while this one is computed */
+        for (size_t off = 0; off < row_bytes; off += 64)
+            _mm_prefetch((const char *)(row + 2 * row_bytes + off), _MM_HINT_T0);
         for (int m = 0; m < M; m++) {
             const float *xs = xsum + (size_t)m * nb;
             const float dot = qx ? dot_row_q16(fmt, row, qx + m * qx_row_bytes(K), dx + (size_t)m * nb, xs, nb)
