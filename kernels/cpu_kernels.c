@@ -71,10 +71,6 @@ static inline __m256 exp_ps(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-static inline __m256 u8x8_to_float(__m128i v) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-}
-
 static inline __m256 i8x8_to_float(__m128i v) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
 }
@@ -98,7 +94,7 @@ int tri_block_bytes(int fmt) {
 static void dequant_row(int fmt, const uint8_t *row, int K, float *out) {
     const int nb = K / 32;
     const uint8_t *ds = row_scales(fmt, row, nb), *ms = ds + 2 * nb;
-    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m256i low4 = _mm256_set1_epi32(0x0F);
     for (int b = 0; b < nb; b++) {
         const float dv = half_to_float(ds + 2 * b);
         const __m256 d = _mm256_set1_ps(dv);
@@ -111,13 +107,11 @@ static void dequant_row(int fmt, const uint8_t *row, int K, float *out) {
             continue;
         }
         const __m256 m = _mm256_set1_ps(fmt == FMT_Q4_1 ? half_to_float(ms + 2 * b) : -8.0f * dv);
-        const __m128i q = _mm_loadu_si128((const __m128i *)(row + 16 * b));
-        const __m128i lo = _mm_and_si128(q, low4);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(u8x8_to_float(lo), d, m));
-        _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(u8x8_to_float(_mm_srli_si128(lo, 8)), d, m));
-        _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(u8x8_to_float(hi), d, m));
-        _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(u8x8_to_float(_mm_srli_si128(hi, 8)), d, m));
+        for (int h = 0; h < 2; h++) {  /* as block_dot_ps: 8 code bytes, two nibbles a lane */
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + 16 * b + 8 * h)));
+            _mm256_storeu_ps(o + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), d, m));
+            _mm256_storeu_ps(o + 16 + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d, m));
+        }
     }
 }
 
@@ -201,14 +195,14 @@ INLINE __m256 block_dot_ps(int fmt, const uint8_t *row, int b, const float *xb) 
         for (int j = 0; j < 4; j++)
             f[j] = i8x8_to_float(_mm_loadl_epi64((const __m128i *)(row + 32 * b + 8 * j)));
     } else {
-        const __m128i low4 = _mm_set1_epi8(0x0F);
-        const __m128i q = _mm_loadu_si128((const __m128i *)(row + 16 * b));
-        const __m128i lo = _mm_and_si128(q, low4);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
-        f[0] = u8x8_to_float(lo);
-        f[1] = u8x8_to_float(_mm_srli_si128(lo, 8));
-        f[2] = u8x8_to_float(hi);
-        f[3] = u8x8_to_float(_mm_srli_si128(hi, 8));
+        /* 8 code bytes widened to 8 lanes (the load folds into the widening), then each lane's
+         * two nibbles: byte j holds weights j (low) and j + 16 (high). */
+        const __m256i low4 = _mm256_set1_epi32(0x0F);
+        for (int h = 0; h < 2; h++) {
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + 16 * b + 8 * h)));
+            f[h] = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
+            f[h + 2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        }
     }
     __m256 s = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
     s = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), s);
