@@ -153,14 +153,13 @@ static void tile(const float *x, int ldx, int m0, int m1, int K, const float *w,
     }
 }
 
-/* Rows of x below this many go through dot_row (weights unpacked in registers, used once);
- * from it on, through tile (each weight dequantized once into L1, used by MT rows at a time). */
+/* Whether M rows of x take the few-rows kernels (weights unpacked in registers, once per row of
+ * x) or the tiles (each weight dequantized once into L1, used by MT rows at a time). Measured on
+ * SmolLM2 at 2 threads: for the exact kernel the tiles win from 2 rows on; the int16 kernel's
+ * integer products keep it ahead up to 3 rows. */
 #define FEW_ROWS_EXACT 2
 #define FEW_ROWS_INT16 4
 
-/* Whether M rows of x take the few-rows kernels (else the tiles). Measured on SmolLM2 at 2
- * threads: the exact kernel decodes the weights once per row of x, so from 2 rows on the tiles
- * (decoded once into L1) win; the int16 kernel's integer products keep it ahead up to 3 rows. */
 static inline int few_rows(int M, int int16_activations) {
     return M < (int16_activations ? FEW_ROWS_INT16 : FEW_ROWS_EXACT);
 }
@@ -227,8 +226,7 @@ INLINE float offset(int fmt, const uint8_t *ds, int nb, int b) {
     return 0.0f;
 }
 
-/* dot(w_row, x), exact: sum over blocks of d * dot(codes, x_b) + m * sum(x_b); ``xsum`` holds
- * sum(x_b) per block. */
+/* 8 blocks from b into acc (see group_q16). */
 INLINE __m256 group_f32(int fmt, const uint8_t *row, const uint8_t *ds, int nb, int b,
                         const float *x, const float *xsum, __m256 acc) {
     __m256 v[8];
@@ -251,6 +249,8 @@ INLINE float dot_row_fmt(int fmt, const uint8_t *row, const float *x, const floa
     return hsum(acc) + tail;
 }
 
+/* dot(w_row, x), exact: sum over blocks of d * dot(codes, x_b) + m * sum(x_b); ``xsum`` holds
+ * sum(x_b) per block. */
 static float dot_row(int fmt, const uint8_t *row, const float *x, const float *xsum, int nb) {
     switch (fmt) {
     case FMT_Q4_0: return dot_row_fmt(FMT_Q4_0, row, x, xsum, nb);
@@ -280,9 +280,12 @@ static void block_sums(const float *x, int K, float *out) {
  * weights 16-31, then xl of the same (see quantize_row_q16). */
 #define QX_BLOCK_BYTES 64  /* bytes of prepared x per block, either layout */
 
+/* Bytes of one prepared row of K values: whole pairs of blocks (an odd last block's partner is 0). */
+static size_t qx_row_bytes(int K) { return (size_t)(K / 32 + 1) / 2 * 2 * QX_BLOCK_BYTES; }
+
 static void quantize_row_q16(int fmt, const float *x, int K, uint8_t *qx, float *dx) {
     const int nb = K / 32;
-    memset(qx, 0, (size_t)(nb + 1) / 2 * 2 * QX_BLOCK_BYTES);  /* an odd last block's partner: 0 */
+    memset(qx, 0, qx_row_bytes(K));
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < nb; b++) {
         const float *xb = x + b * 32;
@@ -407,8 +410,6 @@ static float dot_row_q16(int fmt, const uint8_t *row, const uint8_t *qx, const f
 
 /* What a few-rows product needs of x before the threads start: the float sums of x's blocks,
  * and with int16 activations x rounded to int16 (qx) with a scale per block (dx). */
-static size_t qx_row_bytes(int K) { return (size_t)(K / 32 + 1) / 2 * 2 * QX_BLOCK_BYTES; }
-
 static void linear_prep(int fmt, const float *x, int M, int K, float *xsum, uint8_t *qx, float *dx) {
     const int nb = K / 32;
     for (int m = 0; m < M; m++) {
@@ -723,11 +724,9 @@ int tri_decode_step(const tri_model *m, float *const *k_caches, float *const *v_
     float *xsum = malloc((size_t)B * (widest / 32) * sizeof(float));
     uint8_t *qx = aligned_alloc(64, B * qx_row_bytes(widest));
     float *dx = malloc((size_t)B * (widest / 32) * sizeof(float));
-    if (!hidden || !residual || !normed || !qkv || !attn || !gate_up || !act || !xsum || !qx || !dx) {
-        free(hidden); free(residual); free(normed); free(qkv); free(attn); free(gate_up);
-        free(act); free(xsum); free(qx); free(dx);
-        return -1;
-    }
+    int rc = -1;
+    if (!hidden || !residual || !normed || !qkv || !attn || !gate_up || !act || !xsum || !qx || !dx)
+        goto done;
     for (int b = 0; b < B; b++) {
         float *row = residual + (size_t)b * H;  /* the embedding is layer 0's residual */
         if (m->embed_fmt)
@@ -767,7 +766,9 @@ int tri_decode_step(const tri_model *m, float *const *k_caches, float *const *v_
         rms_norm_omp(hidden, residual, residual, m->final_norm, B, H, m->eps, normed);
         step_linear(&m->lm_head, normed, B, logits, xsum, qx, dx);
     }
+    rc = 0;
+done:
     free(hidden); free(residual); free(normed); free(qkv); free(attn); free(gate_up);
     free(act); free(xsum); free(qx); free(dx);
-    return 0;
+    return rc;
 }

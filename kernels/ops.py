@@ -44,6 +44,11 @@ def _cpu(*tensors: torch.Tensor) -> CpuKernels | None:
     return cpu.load()
 
 
+def _cpu_attention_shape(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Head shapes the C decode attention takes (it reads head_dim in vectors of 8)."""
+    return head_dim % 8 == 0 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 64
+
+
 def _heads_contiguous(t: torch.Tensor) -> bool:
     """[T, H, D] with each token's heads packed (rows may be strided: views into a fused qkv)."""
     return (t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(2) == 1
@@ -146,8 +151,8 @@ def decode_attention(
         return _triton_kernels()["decode_attention"].decode_attention(
             q, k_cache, v_cache, page_table, seq_lens, scale)
     kernels = _cpu(k_cache, v_cache)
-    if (kernels is not None and _heads_contiguous(q) and q.shape[2] % 8 == 0
-            and q.shape[1] % k_cache.shape[2] == 0 and q.shape[1] // k_cache.shape[2] <= 64
+    if (kernels is not None and _heads_contiguous(q)
+            and _cpu_attention_shape(q.shape[1], k_cache.shape[2], q.shape[2])
             and page_table.dtype == seq_lens.dtype == torch.int64
             and page_table.stride(1) == 1 and seq_lens.is_contiguous()):
         if max_seq_len is None:
@@ -247,6 +252,7 @@ def decode_step(weights: DecoderWeights, page_size: int) -> DecodeStep | None:
                                 layer.qkv[1], layer.o[1], layer.gate_up[1], layer.down[1])
                     if t is not None]
     kernels = _cpu(*tensors)
-    if kernels is None or weights.head_dim % 8 or weights.num_heads % weights.num_kv_heads:
+    if kernels is None or not _cpu_attention_shape(weights.num_heads, weights.num_kv_heads,
+                                                   weights.head_dim):
         return None
     return kernels.decode_step(weights, page_size)
