@@ -14,6 +14,7 @@ threads the caller passes (torch's intra-op count), so the C kernels and torch s
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -23,17 +24,24 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
-# ggml type ids of the weight formats the linear kernel reads (GGMLQuantizationType values),
-# and the bytes of one block of 32 weights.
-FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-BLOCK_SIZE = 32
+# ggml type ids (GGMLQuantizationType values) of the weight formats the kernels read in place.
+# F32 weights are served as torch tensors; Q2_K, Q3_K and the IQ types are dequantized at load.
+FORMATS = {
+    "F16": 1, "BF16": 30,
+    "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
+    "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+}
+# The formats the opt-in int16-activation kernels read (the others run exact whatever the flag).
+INT16_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+# Bumped with cpu_kernels.c's tri_abi_version whenever the ctypes boundary changes.
+ABI_VERSION = 2
 
 
 class BuildError(RuntimeError):
@@ -91,55 +99,69 @@ def require() -> CpuKernels:
 
 
 @functools.cache
+def availability() -> tuple[CpuKernels | None, str | None]:
+    """``(kernels, None)``, or ``(None, why)`` where they cannot run here: the one place that
+    decides, so the server can say at startup what is missing (nothing degrades silently)."""
+    if os.environ.get("TRIO_INFER_KERNELS", "") == "reference":
+        return None, "TRIO_INFER_KERNELS=reference asks for the torch references"
+    try:
+        return require(), None
+    except (BuildError, OSError) as exc:
+        return None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def load() -> CpuKernels | None:
     """The kernels, built if needed; None where they cannot run (the torch path is used then)."""
-    if os.environ.get("TRIO_INFER_KERNELS", "") == "reference":
-        return None
-    try:
-        return require()
-    except (BuildError, OSError):
-        return None
+    return availability()[0]
+
+
+def _kernels() -> CpuKernels:
+    kernels, why = availability()
+    if kernels is None:
+        raise BuildError(f"the CPU kernels are unavailable: {why}")
+    return kernels
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight matrix [N, K] kept in a ggml block format (``fmt``, one of :data:`FORMATS`).
+    """A weight matrix [N, K] kept in a ggml format (``fmt``, one of :data:`FORMATS`), read in
+    place by the C kernels.
 
-    ``data`` is [N, K / 32 * block bytes] uint8: each output feature's row of blocks, with the
-    row's bytes rearranged by :meth:`from_blocks` (all its codes, then all its fp16 scales, then
-    Q4_1's minimums: see cpu_kernels.c). Rows stay rows, so fused projections are the
-    concatenation of their parts' rows and a row permutation (llama.cpp's q/k layout) permutes
-    rows of ``data``.
+    ``data`` is [N, packed row bytes] uint8: each output feature's row, rearranged once by
+    :meth:`from_blocks` (codes, then high bits, then scales: see cpu_kernels.c). Rows stay rows,
+    so fused projections are the concatenation of their parts' rows and a row permutation
+    (llama.cpp's q/k layout) permutes rows of ``data``.
     """
 
     fmt: str
     data: torch.Tensor
     in_features: int
     # Decode-sized products (1-3 rows of x) round x to int16 per 32-block first and multiply in
-    # integers: ~1.3x faster there, not exact (the tolerance is in docs/kernels.md).
+    # integers: ~1.3x faster there, not exact (the tolerance is in docs/kernels.md). Only the
+    # INT16_FORMATS have that kernel; the others stay exact.
     int16_activations: bool = False
 
     @classmethod
-    def from_blocks(cls, fmt: str, blocks: torch.Tensor, in_features: int,
+    def from_blocks(cls, fmt: str, blocks: torch.Tensor | np.ndarray, in_features: int,
                     int16_activations: bool = False) -> PackedWeight:
-        """From ggml's blocks as a GGUF file stores them: [N, K / 32 * block bytes] uint8."""
-        if fmt not in FORMATS or in_features % BLOCK_SIZE:
-            raise ValueError(f"cannot pack a [{blocks.shape[0]}, {in_features}] {fmt} weight")
-        n, nb = blocks.shape[0], in_features // BLOCK_SIZE
-        if tuple(blocks.shape) != (n, nb * BLOCK_BYTES[fmt]) or blocks.dtype != torch.uint8:
-            raise ValueError(f"{fmt} blocks of shape {tuple(blocks.shape)} for {in_features} columns")
-        b = blocks.reshape(n, nb, BLOCK_BYTES[fmt])
-        header = 4 if fmt == "Q4_1" else 2  # d (and Q4_1's m) precede each block's codes
-        parts = [b[:, :, header:], b[:, :, 0:2]] + ([b[:, :, 2:4]] if fmt == "Q4_1" else [])
-        data = torch.cat([p.reshape(n, -1) for p in parts], dim=1)
-        return cls(fmt, data, in_features, int16_activations)
+        """From ggml's blocks as a GGUF file stores them: [N, native row bytes] uint8 (any
+        array that exposes its buffer; a read-only memory map is read, never written)."""
+        kernels = _kernels()
+        native = kernels.native_row_bytes(fmt, in_features)
+        array = np.asarray(blocks)
+        if native == 0 or array.dtype != np.uint8 or array.ndim != 2 or array.shape[1] != native:
+            raise ValueError(f"{fmt} blocks of shape {tuple(array.shape)} for {in_features} columns")
+        array = np.ascontiguousarray(array)
+        out = cls.empty(fmt, array.shape[0], in_features, int16_activations)
+        kernels.pack(fmt, array, in_features, out.data, torch.get_num_threads())
+        return out
 
     @classmethod
     def empty(cls, fmt: str, out_features: int, in_features: int,
               int16_activations: bool = False) -> PackedWeight:
-        if fmt not in FORMATS or in_features % BLOCK_SIZE:
+        row = _kernels().row_bytes(fmt, in_features) if fmt in FORMATS else 0
+        if row == 0:
             raise ValueError(f"cannot pack a [{out_features}, {in_features}] {fmt} weight")
-        row = in_features // BLOCK_SIZE * BLOCK_BYTES[fmt]
         return cls(fmt, torch.empty(out_features, row, dtype=torch.uint8), in_features,
                    int16_activations)
 
@@ -151,6 +173,52 @@ class PackedWeight:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    @property
+    def parts(self) -> tuple[PackedWeight, ...]:
+        return (self,)
+
+    def with_int16_activations(self) -> PackedWeight:
+        return dataclasses.replace(self, int16_activations=True)
+
+
+@dataclass(frozen=True)
+class PackedParts:
+    """A fused projection whose parts a GGUF file keeps in different formats (Q4_K_M quantizes q
+    and k to Q4_K and v to Q6_K in some layers): one :class:`PackedWeight` per part, their rows
+    one after the other in the output. The kernels take up to 3 parts in one call."""
+
+    parts: tuple[PackedWeight, ...]
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.parts) <= MAX_PARTS or len({p.in_features for p in self.parts}) != 1:
+            raise ValueError(f"{len(self.parts)} parts of a packed weight, or differing widths")
+
+    @property
+    def fmt(self) -> str:
+        return "+".join(p.fmt for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def int16_activations(self) -> bool:
+        return False  # the int16 kernels read one part in one format
+
+    def with_int16_activations(self) -> PackedParts:
+        return self
+
+
+Packed = PackedWeight | PackedParts
+
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
@@ -160,22 +228,68 @@ _F = ctypes.c_float
 _I = ctypes.c_int
 _P = ctypes.c_void_p
 _SZ = ctypes.c_size_t
+_I64 = ctypes.c_int64
+MAX_PARTS = 3
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("nparts", _I), ("K", _I), ("N", _I), ("bias", _P), ("int16_activations", _I),
+                ("fmt", _I * MAX_PARTS), ("w", _P * MAX_PARTS), ("row_bytes", _SZ * MAX_PARTS),
+                ("rows", _I * MAX_PARTS)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
+                ("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", _I), ("H", _I), ("Hq", _I), ("Hkv", _I), ("D", _I), ("I", _I),
+                ("page_size", _I), ("kv_f16", _I), ("eps", _F), ("scale", _F),
+                ("embed_fmt", _I), ("embed", _P), ("embed_row_bytes", _SZ),
+                ("final_norm", _P), ("lm_head", _Lin), ("cos_sin", _P),
+                ("layers", ctypes.POINTER(_Layer))]
+
+
+def _lin(w: Packed, bias: torch.Tensor | None) -> _Lin:
+    lin = _Lin(len(w.parts), w.in_features, w.out_features, _ptr(bias),
+               int(w.int16_activations))
+    for i, part in enumerate(w.parts):
+        lin.fmt[i] = FORMATS[part.fmt]
+        lin.w[i] = part.data.data_ptr()
+        lin.row_bytes[i] = part.data.stride(0)
+        lin.rows[i] = part.out_features
+    return lin
+
+
+def _kv_f16(cache: torch.Tensor) -> int:
+    if cache.dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"the C kernels read an fp32 or fp16 KV cache, not {cache.dtype}")
+    return int(cache.dtype == torch.float16)
 
 
 class CpuKernels:
     """Typed entry points over the loaded library. Every tensor must be contiguous (or have the
-    row stride passed) and on the CPU; the shape checks live in :mod:`kernels.ops`."""
+    row stride passed) and on the CPU; the shape checks live in :mod:`kernels.ops`. The library's
+    ABI version and struct sizes are checked against this module's mirrors when it loads."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
         sig = {
-            "tri_linear": (_I, [_I, _P, _I, _I, _P, _SZ, _I, _P, _P, _I, _I]),
-            "tri_dequant_rows": (None, [_I, _P, _SZ, _P, _I, _I, _P]),
+            "tri_abi_version": (_I, []),
+            "tri_struct_size": (_SZ, [_I]),
+            "tri_row_bytes": (_SZ, [_I, _I]),
+            "tri_native_row_bytes": (_SZ, [_I, _I]),
+            "tri_pack": (_I, [_I, _P, _I64, _I, _P, _I]),
+            "tri_linear": (_I, [ctypes.POINTER(_Lin), _P, _I, _P, _I]),
+            "tri_dequant_rows": (_I, [_I, _P, _SZ, _P, _I, _I, _P]),
             "tri_rms_norm": (None, [_P, _P, _P, _P, _I, _I, _F, _P, _I]),
             "tri_silu_and_mul": (None, [_P, _I, _I, _P, _I]),
-            "tri_rope_store": (None, [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P]),
+            "tri_rope_store": (
+                None, [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I]),
             "tri_decode_attention": (
-                None, [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I]),
+                _I, [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I, _I]),
+            "tri_model_valid": (_I, [ctypes.POINTER(_Model)]),
             "tri_decode_step": (
                 _I, [ctypes.POINTER(_Model), _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _P, _I]),
         }
@@ -183,25 +297,50 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.restype = restype
             fn.argtypes = argtypes
+        version = lib.tri_abi_version()
+        sizes = [lib.tri_struct_size(i) for i in range(3)]
+        mirrors = [ctypes.sizeof(s) for s in (_Lin, _Layer, _Model)]
+        if version != ABI_VERSION or sizes != mirrors:
+            raise BuildError(f"cpu_kernels.c ABI {version} with struct sizes {sizes} does not "
+                             f"match kernels/cpu.py's ({ABI_VERSION}, {mirrors})")
 
-    def linear(self, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None,
+    def row_bytes(self, fmt: str, in_features: int) -> int:
+        """Bytes of one packed row of ``in_features`` weights; 0 if the kernels cannot take it."""
+        return int(self._lib.tri_row_bytes(FORMATS[fmt], in_features)) if fmt in FORMATS else 0
+
+    def native_row_bytes(self, fmt: str, in_features: int) -> int:
+        """Bytes of one row as a GGUF file stores it; 0 for a format the kernels do not read."""
+        return (int(self._lib.tri_native_row_bytes(FORMATS[fmt], in_features))
+                if fmt in FORMATS else 0)
+
+    def pack(self, fmt: str, blocks: np.ndarray, in_features: int, out: torch.Tensor,
+             threads: int) -> None:
+        rc = self._lib.tri_pack(FORMATS[fmt], blocks.ctypes.data, blocks.shape[0], in_features,
+                                out.data_ptr(), threads)
+        if rc != 0:
+            raise ValueError(f"cannot pack {fmt} rows of {in_features} weights")
+
+    def linear(self, x: torch.Tensor, w: Packed, bias: torch.Tensor | None,
                threads: int) -> torch.Tensor:
         """x [M, K] fp32 contiguous -> [M, N]."""
         m = x.shape[0]
         y = torch.empty(m, w.out_features, dtype=torch.float32)
-        row_bytes = w.data.stride(0) * w.data.element_size()
-        rc = self._lib.tri_linear(FORMATS[w.fmt], x.data_ptr(), m, w.in_features,
-                                  w.data.data_ptr(), row_bytes, w.out_features, _ptr(bias),
-                                  y.data_ptr(), int(w.int16_activations), threads)
+        lin = _lin(w, bias)
+        rc = self._lib.tri_linear(ctypes.byref(lin), x.data_ptr(), m, y.data_ptr(), threads)
+        if rc == -2:
+            raise MemoryError("tri_linear could not allocate its scratch")
         if rc != 0:
             raise ValueError(f"tri_linear rejected {w.fmt} [{w.out_features}, {w.in_features}]")
         return y
 
     def dequant_rows(self, w: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
-        """Rows ``rows`` (int64) of a block-format weight, as fp32 [len(rows), K]."""
+        """Rows ``rows`` (int64) of a packed weight, as fp32 [len(rows), K]."""
         out = torch.empty(rows.shape[0], w.in_features, dtype=torch.float32)
-        self._lib.tri_dequant_rows(FORMATS[w.fmt], w.data.data_ptr(), w.data.stride(0),
-                                   rows.data_ptr(), rows.shape[0], w.in_features, out.data_ptr())
+        rc = self._lib.tri_dequant_rows(FORMATS[w.fmt], w.data.data_ptr(), w.data.stride(0),
+                                        rows.data_ptr(), rows.shape[0], w.in_features,
+                                        out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"tri_dequant_rows rejected {w.fmt} rows of {w.in_features}")
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -224,17 +363,19 @@ class CpuKernels:
     def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    positions: torch.Tensor, slots: torch.Tensor, cos_sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """In place: rotary on q [T, Hq, D] and k [T, Hkv, D]; then k, v into their slots."""
+        """In place: rotary on q [T, Hq, D] and k [T, Hkv, D]; then k, v into their slots of an
+        fp32 or fp16 cache."""
         t, hq, d = q.shape
         hkv = k.shape[1]
         self._lib.tri_rope_store(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
                                  v.data_ptr(), v.stride(0), positions.data_ptr(),
                                  slots.data_ptr(), t, hq, hkv, d, cos_sin.data_ptr(),
-                                 k_cache.data_ptr(), v_cache.data_ptr())
+                                 k_cache.data_ptr(), v_cache.data_ptr(), _kv_f16(k_cache))
 
-    def decode_step(self, weights: DecoderWeights, page_size: int) -> DecodeStep:
+    def decode_step(self, weights: DecoderWeights, page_size: int,
+                    kv_dtype: torch.dtype = torch.float32) -> DecodeStep:
         """The whole decode step of the model ``weights`` describes, as one call."""
-        return DecodeStep(self._lib, weights, page_size)
+        return DecodeStep(self._lib, weights, page_size, kv_dtype)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
@@ -242,52 +383,39 @@ class CpuKernels:
         b, hq, d = q.shape
         _, page_size, hkv, _ = k_cache.shape
         out = torch.empty(b, hq, d, dtype=torch.float32)
-        self._lib.tri_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(),
-                                       v_cache.data_ptr(), page_table.data_ptr(),
-                                       page_table.stride(0), seq_lens.data_ptr(), b, hq, hkv, d,
-                                       page_size, scale, out.data_ptr(), max_len, threads)
+        rc = self._lib.tri_decode_attention(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(), b, hq, hkv, d,
+            page_size, scale, out.data_ptr(), max_len, threads, _kv_f16(k_cache))
+        if rc == -2:
+            raise MemoryError("tri_decode_attention could not allocate its scratch")
+        if rc != 0:
+            raise ValueError(f"a context length outside [1, {max_len}] or past the page table")
         return out
 
 
 # -- a whole decode step in one call (tri_decode_step) -----------------------------------------------
 
 
-class _Lin(ctypes.Structure):
-    _fields_ = [("fmt", _I), ("w", _P), ("row_bytes", _SZ), ("N", _I), ("K", _I), ("bias", _P),
-                ("int16_activations", _I)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
-                ("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin)]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [("num_layers", _I), ("H", _I), ("Hq", _I), ("Hkv", _I), ("D", _I), ("I", _I),
-                ("page_size", _I), ("eps", _F), ("scale", _F), ("embed_fmt", _I), ("embed", _P),
-                ("embed_row_bytes", _SZ), ("final_norm", _P), ("lm_head", _Lin),
-                ("cos_sin", _P), ("layers", ctypes.POINTER(_Layer))]
-
-
 @dataclass(frozen=True)
 class DecoderLayerWeights:
-    """One pre-norm decoder layer (Llama, Qwen2, Qwen3): norms' weights and block-format linears
-    with their biases (None where the model has none)."""
+    """One pre-norm decoder layer (Llama, Qwen2, Qwen3): norms' weights and packed linears with
+    their biases (None where the model has none)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    qkv: tuple[PackedWeight, torch.Tensor | None]
-    o: tuple[PackedWeight, torch.Tensor | None]
-    gate_up: tuple[PackedWeight, torch.Tensor | None]
-    down: tuple[PackedWeight, torch.Tensor | None]
+    qkv: tuple[Packed, torch.Tensor | None]
+    o: tuple[Packed, torch.Tensor | None]
+    gate_up: tuple[Packed, torch.Tensor | None]
+    down: tuple[Packed, torch.Tensor | None]
 
 
 @dataclass(frozen=True)
 class DecoderWeights:
-    """What :class:`DecodeStep` needs of a model: shapes, the embedding table (blocks or fp32
-    [vocab, H]), the layers, the final norm, the lm_head (blocks) and the rotary cos/sin table."""
+    """What :class:`DecodeStep` needs of a model: shapes, the embedding table (packed or fp32
+    [vocab, H]), the layers, the final norm, the lm_head (packed) and the rotary cos/sin table."""
 
     num_heads: int
     num_kv_heads: int
@@ -296,17 +424,19 @@ class DecoderWeights:
     embed: PackedWeight | torch.Tensor
     layers: list[DecoderLayerWeights]
     final_norm: torch.Tensor
-    lm_head: PackedWeight
+    lm_head: Packed
     cos_sin: torch.Tensor
 
 
 class DecodeStep:
     """A model's whole decode step as one C call (``tri_decode_step``); see cpu_kernels.c.
 
-    Holds the C description of the model (pointers into the given tensors, which it keeps alive).
-    :meth:`__call__` runs B sequences decoding one token each and returns their logits."""
+    Holds the C description of the model (pointers into the given tensors, which it keeps alive),
+    checked by the library once here. :meth:`__call__` runs B sequences decoding one token each
+    and returns their logits."""
 
-    def __init__(self, lib: ctypes.CDLL, w: DecoderWeights, page_size: int) -> None:
+    def __init__(self, lib: ctypes.CDLL, w: DecoderWeights, page_size: int,
+                 kv_dtype: torch.dtype = torch.float32) -> None:
         self._lib = lib
         self._keep = w
         layers = (_Layer * len(w.layers))()
@@ -321,10 +451,13 @@ class DecodeStep:
             embed_fmt, embed, row = FORMATS[w.embed.fmt], w.embed.data, w.embed.data.stride(0)
         else:
             embed_fmt, embed, row = 0, w.embed, w.embed.stride(0) * 4
+        self.kv_dtype = kv_dtype
         self._model = _Model(len(w.layers), hidden, w.num_heads, w.num_kv_heads, w.head_dim, inter,
-                             page_size, w.eps, w.head_dim**-0.5, embed_fmt, embed.data_ptr(), row,
-                             w.final_norm.data_ptr(), _lin(w.lm_head, None), w.cos_sin.data_ptr(),
-                             layers)
+                             page_size, int(kv_dtype == torch.float16), w.eps, w.head_dim**-0.5,
+                             embed_fmt, embed.data_ptr(), row, w.final_norm.data_ptr(),
+                             _lin(w.lm_head, None), w.cos_sin.data_ptr(), layers)
+        if not lib.tri_model_valid(ctypes.byref(self._model)):
+            raise ValueError("tri_model_valid rejected the decoder's description")
         self.vocab_size = w.lm_head.out_features
         self._caches: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
 
@@ -341,7 +474,10 @@ class DecodeStep:
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  threads: int) -> torch.Tensor:
         """int64 contiguous ids, positions, slots, seq_lens [B] and page_table [B, pages] (rows
-        contiguous); caches [pages, page_size, Hkv, D] fp32 per layer -> logits [B, vocab]."""
+        contiguous); caches [pages, page_size, Hkv, D] per layer, of this step's KV dtype ->
+        logits [B, vocab]."""
+        if k_caches[0].dtype != self.kv_dtype:
+            raise ValueError(f"a {self.kv_dtype} step given a {k_caches[0].dtype} KV cache")
         b = ids.shape[0]
         logits = torch.empty(b, self.vocab_size, dtype=torch.float32)
         ks, vs = self._cache_pointers(k_caches, v_caches)
@@ -349,11 +485,8 @@ class DecodeStep:
                                        positions.data_ptr(), slots.data_ptr(),
                                        page_table.data_ptr(), page_table.stride(0),
                                        seq_lens.data_ptr(), max_len, logits.data_ptr(), threads)
-        if rc != 0:
+        if rc == -2:
             raise MemoryError("tri_decode_step could not allocate its scratch")
+        if rc != 0:
+            raise ValueError(f"a context length outside [1, {max_len}] or past the page table")
         return logits
-
-
-def _lin(w: PackedWeight, bias: torch.Tensor | None) -> _Lin:
-    return _Lin(FORMATS[w.fmt], w.data.data_ptr(), w.data.stride(0), w.out_features,
-                w.in_features, _ptr(bias), int(w.int16_activations))

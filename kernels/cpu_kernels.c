@@ -1,24 +1,37 @@
-/* The CPU kernels of the decode path (x86-64 with AVX2 and FMA), built by kernels/cpu.py.
+/* The CPU kernels of the decode path (x86-64 with AVX2, FMA and F16C), built by kernels/cpu.py.
  *
  * Why C and not torch: a decode step of a small model is ~150 matrix-vector products and ~250
  * small element-wise ops. Through torch each op costs a dispatch (5-10 us) and the fp32 GEMV
  * reads its weights at half the machine's bandwidth; quantized weights have no fast torch kernel
- * for fp32 activations on AVX2. Here a linear layer reads the GGUF blocks themselves (4 or 8 bits
- * a weight instead of 32) and each op is one call.
+ * for fp32 activations on AVX2. Here a linear layer reads the GGUF blocks themselves (4 to 8 bits
+ * a weight, or 16, instead of 32) and each op is one call.
  *
  * Numerics: activations stay fp32 and every product is accumulated in fp32, so the result is the
  * same math as dequantizing the weights to fp32 and calling a BLAS, up to the order of the sums.
  *
  * Threads: OpenMP, with the thread count passed by the caller (torch's, so one setting rules both).
  *
- * Weight formats: ggml's, 32 weights a block, with each row's blocks rearranged at load time
- * (kernels/cpu.py, PackedWeight.from_blocks) so that a row holds all its codes, then all its
- * scales (then all its minimums): the same bytes, but a kernel loads the scales of 8 blocks in
- * one instruction and the codes of consecutive blocks are adjacent. For a row of nb blocks:
- *   Q4_0 (2): nb * 16 bytes of nibbles | nb fp16 d;               w = (q - 8) * d
- *   Q4_1 (3): nb * 16 bytes of nibbles | nb fp16 d | nb fp16 m;   w = q * d + m
- *   Q8_0 (8): nb * 32 int8             | nb fp16 d;               w = q * d
- * In a block's 16 bytes of nibbles, byte j holds weight j (low nibble) and weight j + 16 (high).
+ * Weight formats: ggml's, rearranged once at load by tri_pack (the same information in about the
+ * same bytes) so that every block format reads the same way: a row of K weights is nb = K / 32
+ * blocks of 32 weights whose codes come first, then the high bits of 5- and 6-bit codes, then
+ * the scales. A weight is w = code * scale + offset, with a scale and an offset per block (per
+ * half block for Q6_K, whose offset is folded into its codes). For a row of nb blocks:
+ *   Q4_0 (2):  nb * 16 nibbles |                  | nb fp16 d                  w = (q - 8) d
+ *   Q4_1 (3):  nb * 16 nibbles |                  | nb fp16 d | nb fp16 m      w = q d + m
+ *   Q5_0 (6):  nb * 16 nibbles | nb * 4 bit 4     | nb fp16 d                  w = (q - 16) d
+ *   Q5_1 (7):  nb * 16 nibbles | nb * 4 bit 4     | nb fp16 d | nb fp16 m      w = q d + m
+ *   Q8_0 (8):  nb * 32 int8    |                  | nb fp16 d                  w = q d
+ *   Q4_K (12): nb * 16 nibbles |                  | per 8 blocks (a super-block of 256):
+ *              fp16 d, fp16 dmin, 8 uint8 scales sc, 8 uint8 minimums mn     w = q d sc - dmin mn
+ *   Q5_K (13): nb * 16 nibbles | nb * 4 bit 4     | as Q4_K
+ *   Q6_K (14): nb * 16 nibbles | nb * 8 bits 4, 5 | per 8 blocks: fp16 d, 8 int8 scales of the
+ *              blocks' first halves, 8 of their second halves               w = (q - 32) d sc
+ *   F16 (1), BF16 (30): K 16-bit floats as they are.
+ * In a block's 16 bytes of nibbles, byte j holds the low 4 bits of weight j (low nibble) and of
+ * weight j + 16 (high). Byte j of a block's 4 bytes of a high bit holds that bit of weights 8j
+ * to 8j + 7 (bit i for weight 8j + i); Q6_K has two such planes, bit 4's then bit 5's. ggml's own
+ * K-quant layouts interleave the codes by 64 and pack the 6-bit scales; tri_pack undoes both
+ * (Q4_K and Q5_K grow by 4 bytes per 256 weights, 3%).
  */
 
 #include <immintrin.h>
@@ -28,7 +41,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q8_0 = 8 };
+enum {
+    FMT_F16 = 1, FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q5_0 = 6, FMT_Q5_1 = 7, FMT_Q8_0 = 8,
+    FMT_Q4_K = 12, FMT_Q5_K = 13, FMT_Q6_K = 14, FMT_BF16 = 30,
+};
+
+/* Bumped whenever a struct or signature of the ctypes boundary changes; kernels/cpu.py checks it. */
+int tri_abi_version(void) { return 2; }
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -75,43 +94,283 @@ static inline __m256 i8x8_to_float(__m128i v) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
 }
 
-/* Bytes of codes per block, and where a row's scales (d) and minimums (m, Q4_1) start. */
-static inline int code_bytes(int fmt) { return fmt == FMT_Q8_0 ? 32 : 16; }
-static inline const uint8_t *row_scales(int fmt, const uint8_t *row, int nb) {
-    return row + (size_t)nb * code_bytes(fmt);
-}
+/* -- formats -------------------------------------------------------------------------------------- */
 
-int tri_block_bytes(int fmt) {
+static inline int is_16bit(int fmt) { return fmt == FMT_F16 || fmt == FMT_BF16; }
+static inline int is_kquant(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K; }
+static inline int is_5bit(int fmt) { return fmt == FMT_Q5_0 || fmt == FMT_Q5_1 || fmt == FMT_Q5_K; }
+static inline int has_min(int fmt) { return fmt == FMT_Q4_1 || fmt == FMT_Q5_1; }
+
+/* Weights per block of the format as ggml stores it, and that block's bytes; 0 if unknown. */
+static int native_block(int fmt, int *weights) {
+    *weights = is_kquant(fmt) ? 256 : 32;
     switch (fmt) {
+    case FMT_F16: case FMT_BF16: *weights = 1; return 2;
     case FMT_Q4_0: return 18;
     case FMT_Q4_1: return 20;
+    case FMT_Q5_0: return 22;
+    case FMT_Q5_1: return 24;
     case FMT_Q8_0: return 34;
+    case FMT_Q4_K: return 144;
+    case FMT_Q5_K: return 176;
+    case FMT_Q6_K: return 210;
     default: return 0;
+    }
+}
+
+/* Bytes per 32-weight block of codes, of high bits, and of the scales region of a row. */
+static inline int code_bytes(int fmt) { return fmt == FMT_Q8_0 ? 32 : 16; }
+static inline int plane_bytes(int fmt) { return fmt == FMT_Q6_K ? 8 : is_5bit(fmt) ? 4 : 0; }
+static size_t meta_bytes(int fmt, int nb) {
+    if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) return (size_t)nb / 8 * 20;
+    if (fmt == FMT_Q6_K) return (size_t)nb / 8 * 18;
+    return (size_t)nb * (has_min(fmt) ? 4 : 2);
+}
+
+/* Bytes of one packed row of K weights (K a multiple of 32, of 256 for the K-quants), or 0 if
+ * the format or K is not one the kernels take. */
+size_t tri_row_bytes(int fmt, int K) {
+    int per;
+    if (K <= 0 || native_block(fmt, &per) == 0 || K % 32 || (is_kquant(fmt) && K % 256))
+        return 0;
+    if (is_16bit(fmt)) return (size_t)K * 2;
+    const int nb = K / 32;
+    return (size_t)nb * (code_bytes(fmt) + plane_bytes(fmt)) + meta_bytes(fmt, nb);
+}
+
+/* Bytes of one row of K weights as ggml stores it. */
+size_t tri_native_row_bytes(int fmt, int K) {
+    int per;
+    const int bytes = native_block(fmt, &per);
+    return bytes && K % per == 0 ? (size_t)(K / per) * bytes : 0;
+}
+
+static inline const uint8_t *row_planes(int fmt, const uint8_t *row, int nb) {
+    return row + (size_t)nb * code_bytes(fmt);
+}
+static inline const uint8_t *row_meta(int fmt, const uint8_t *row, int nb) {
+    return row + (size_t)nb * (code_bytes(fmt) + plane_bytes(fmt));
+}
+
+/* -- packing: ggml's blocks -> the layout above ------------------------------------------------- */
+
+/* Codes q[32] (natural order, values < 64) of one block into its nibbles and high-bit planes. */
+static void put_codes(const uint8_t *q, uint8_t *nib, uint8_t *planes, int nplanes) {
+    for (int j = 0; j < 16; j++)
+        nib[j] = (uint8_t)((q[j] & 15) | (q[j + 16] & 15) << 4);
+    for (int p = 0; p < nplanes; p++)
+        for (int j = 0; j < 4; j++) {
+            uint8_t v = 0;
+            for (int i = 0; i < 8; i++) v |= (uint8_t)(((q[8 * j + i] >> (4 + p)) & 1) << i);
+            planes[4 * p + j] = v;
+        }
+}
+
+/* ggml's get_scale_min_k4: the 6-bit scale and minimum of sub-block j of a Q4_K/Q5_K block. */
+static void scale_min_k4(int j, const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+        *mn = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+/* One row of ggml blocks -> one packed row. */
+static void pack_row(int fmt, const uint8_t *src, int K, uint8_t *dst) {
+    if (is_16bit(fmt)) {
+        memcpy(dst, src, (size_t)K * 2);
+        return;
+    }
+    const int nb = K / 32;
+    uint8_t *codes = dst, *planes = dst + (size_t)nb * code_bytes(fmt);
+    uint8_t *meta = dst + (size_t)nb * (code_bytes(fmt) + plane_bytes(fmt));
+    uint8_t q[256];
+    if (!is_kquant(fmt)) {
+        int per;
+        const int bytes = native_block(fmt, &per);
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = src + (size_t)b * bytes;
+            memcpy(meta + 2 * b, blk, 2);                                 /* d */
+            if (has_min(fmt)) memcpy(meta + 2 * (size_t)nb + 2 * b, blk + 2, 2);  /* m */
+            if (fmt == FMT_Q8_0) {
+                memcpy(codes + 32 * (size_t)b, blk + 2, 32);
+                continue;
+            }
+            const uint8_t *qh = is_5bit(fmt) ? blk + (has_min(fmt) ? 4 : 2) : NULL;
+            const uint8_t *qs = blk + bytes - 16;
+            memcpy(codes + 16 * (size_t)b, qs, 16);  /* the nibbles are already in our order */
+            if (qh) memcpy(planes + 4 * (size_t)b, qh, 4);  /* bit i of the uint32 is weight i */
+        }
+        return;
+    }
+    int per;
+    const int bytes = native_block(fmt, &per);
+    for (int s = 0; s < nb / 8; s++) {
+        const uint8_t *blk = src + (size_t)s * bytes;
+        if (fmt == FMT_Q6_K) {
+            const uint8_t *ql = blk, *qh = blk + 128, *sc = blk + 192;
+            for (int n = 0; n < 2; n++)
+                for (int l = 0; l < 32; l++) {
+                    const uint8_t *a = ql + 64 * n, h = qh[32 * n + l];
+                    q[128 * n + l] = (uint8_t)((a[l] & 15) | (h & 3) << 4);
+                    q[128 * n + 32 + l] = (uint8_t)((a[l + 32] & 15) | ((h >> 2) & 3) << 4);
+                    q[128 * n + 64 + l] = (uint8_t)((a[l] >> 4) | ((h >> 4) & 3) << 4);
+                    q[128 * n + 96 + l] = (uint8_t)((a[l + 32] >> 4) | ((h >> 6) & 3) << 4);
+                }
+            uint8_t *m = meta + (size_t)s * 18;
+            memcpy(m, blk + 208, 2);
+            for (int j = 0; j < 8; j++) {
+                m[2 + j] = sc[2 * j];
+                m[10 + j] = sc[2 * j + 1];
+            }
+        } else {  /* Q4_K, Q5_K: d, dmin, 12 bytes of scales, (Q5_K: 32 bytes of bit 4), codes */
+            const uint8_t *scales = blk + 4;
+            const uint8_t *qh = fmt == FMT_Q5_K ? blk + 16 : NULL;
+            const uint8_t *qs = blk + (fmt == FMT_Q5_K ? 48 : 16);
+            for (int c = 0; c < 4; c++)
+                for (int l = 0; l < 32; l++) {
+                    q[64 * c + l] = qs[32 * c + l] & 15;
+                    q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+                    if (qh) {
+                        q[64 * c + l] |= (uint8_t)(((qh[l] >> (2 * c)) & 1) << 4);
+                        q[64 * c + 32 + l] |= (uint8_t)(((qh[l] >> (2 * c + 1)) & 1) << 4);
+                    }
+                }
+            uint8_t *m = meta + (size_t)s * 20;
+            memcpy(m, blk, 4);
+            for (int j = 0; j < 8; j++) scale_min_k4(j, scales, m + 4 + j, m + 12 + j);
+        }
+        for (int j = 0; j < 8; j++) {
+            const int b = 8 * s + j;
+            put_codes(q + 32 * j, codes + 16 * (size_t)b, planes + (size_t)plane_bytes(fmt) * b,
+                      plane_bytes(fmt) / 4);
+        }
+    }
+}
+
+/* ``rows`` rows of ggml blocks ([rows, native row bytes], as a GGUF file stores a tensor) ->
+ * packed rows [rows, tri_row_bytes]. Returns 0, or -1 for a format or K the kernels do not take. */
+int tri_pack(int fmt, const uint8_t *src, int64_t rows, int K, uint8_t *dst, int nthreads) {
+    const size_t in = tri_native_row_bytes(fmt, K), out = tri_row_bytes(fmt, K);
+    if (in == 0 || out == 0 || rows < 0)
+        return -1;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < rows; r++)
+        pack_row(fmt, src + (size_t)r * in, K, dst + (size_t)r * out);
+    return 0;
+}
+
+/* -- reading packed blocks ------------------------------------------------------------------------ */
+
+/* BIT_BYTES[v]: 8 bytes, byte i = bit i of v; widened to 8 lanes, a byte of a high-bit plane. */
+static uint64_t BIT_BYTES[256];
+
+__attribute__((constructor)) static void init_bit_bytes(void) {
+    for (int v = 0; v < 256; v++) {
+        uint64_t e = 0;
+        for (int i = 0; i < 8; i++) e |= (uint64_t)((v >> i) & 1) << (8 * i);
+        BIT_BYTES[v] = e;
+    }
+}
+
+INLINE __m256i plane_bits(uint8_t v, int shift) {
+    return _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)&BIT_BYTES[v])), shift);
+}
+
+/* Block b's 32 codes as floats: f[0] weights 0-7, f[1] 8-15, f[2] 16-23, f[3] 24-31 (Q6_K's
+ * less 32). Called with a constant fmt, so it compiles to one format's code. */
+INLINE void block_codes(int fmt, const uint8_t *row, int nb, int b, __m256 f[4]) {
+    if (fmt == FMT_Q8_0) {
+        for (int j = 0; j < 4; j++)
+            f[j] = i8x8_to_float(_mm_loadl_epi64((const __m128i *)(row + 32 * (size_t)b + 8 * j)));
+        return;
+    }
+    /* 8 code bytes widened to 8 lanes (the load folds into the widening), then each lane's two
+     * nibbles: byte j holds weights j (low) and j + 16 (high). */
+    const __m256i low4 = _mm256_set1_epi32(0x0F);
+    __m256i c[4];
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + 16 * (size_t)b + 8 * h)));
+        c[h] = _mm256_and_si256(v, low4);
+        c[h + 2] = _mm256_srli_epi32(v, 4);
+    }
+    if (is_5bit(fmt) || fmt == FMT_Q6_K) {
+        const uint8_t *p = row_planes(fmt, row, nb) + (size_t)plane_bytes(fmt) * b;
+        for (int j = 0; j < 4; j++) {
+            c[j] = _mm256_or_si256(c[j], plane_bits(p[j], 4));
+            if (fmt == FMT_Q6_K)
+                c[j] = _mm256_sub_epi32(_mm256_or_si256(c[j], plane_bits(p[4 + j], 5)),
+                                        _mm256_set1_epi32(32));
+        }
+    }
+    for (int j = 0; j < 4; j++) f[j] = _mm256_cvtepi32_ps(c[j]);
+}
+
+/* Block b's scale and offset (w = code * scale + offset; Q6_K: *s0 for weights 0-15, *s1 for
+ * 16-31, no offset). */
+INLINE void block_affine(int fmt, const uint8_t *meta, int nb, int b, float *s0, float *s1,
+                         float *off) {
+    if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) {
+        const uint8_t *m = meta + (size_t)(b / 8) * 20;
+        *s0 = *s1 = half_to_float(m) * m[4 + b % 8];
+        *off = -half_to_float(m + 2) * m[12 + b % 8];
+        return;
+    }
+    if (fmt == FMT_Q6_K) {
+        const uint8_t *m = meta + (size_t)(b / 8) * 18;
+        const float d = half_to_float(m);
+        *s0 = d * (int8_t)m[2 + b % 8];
+        *s1 = d * (int8_t)m[10 + b % 8];
+        *off = 0.0f;
+        return;
+    }
+    const float d = half_to_float(meta + 2 * (size_t)b);
+    *s0 = *s1 = d;
+    *off = has_min(fmt) ? half_to_float(meta + 2 * (size_t)nb + 2 * b)
+         : fmt == FMT_Q4_0 ? -8.0f * d : fmt == FMT_Q5_0 ? -16.0f * d : 0.0f;
+}
+
+/* 8 floats from 8 16-bit values of ``fmt`` (F16 or BF16). */
+INLINE __m256 load16(int fmt, const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    if (fmt == FMT_F16) return _mm256_cvtph_ps(v);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+INLINE void dequant_row_fmt(int fmt, const uint8_t *row, int K, float *out) {
+    if (is_16bit(fmt)) {
+        for (int k = 0; k < K; k += 8) _mm256_storeu_ps(out + k, load16(fmt, row + 2 * (size_t)k));
+        return;
+    }
+    const int nb = K / 32;
+    const uint8_t *meta = row_meta(fmt, row, nb);
+    for (int b = 0; b < nb; b++) {
+        __m256 f[4];
+        float s0, s1, off;
+        block_codes(fmt, row, nb, b, f);
+        block_affine(fmt, meta, nb, b, &s0, &s1, &off);
+        const __m256 o = _mm256_set1_ps(off);
+        for (int j = 0; j < 4; j++)
+            _mm256_storeu_ps(out + 32 * (size_t)b + 8 * j,
+                             _mm256_fmadd_ps(f[j], _mm256_set1_ps(j < 2 ? s0 : s1), o));
     }
 }
 
 /* One row of K weights (K a multiple of 32) -> fp32. */
 static void dequant_row(int fmt, const uint8_t *row, int K, float *out) {
-    const int nb = K / 32;
-    const uint8_t *ds = row_scales(fmt, row, nb), *ms = ds + 2 * nb;
-    const __m256i low4 = _mm256_set1_epi32(0x0F);
-    for (int b = 0; b < nb; b++) {
-        const float dv = half_to_float(ds + 2 * b);
-        const __m256 d = _mm256_set1_ps(dv);
-        float *o = out + b * 32;
-        if (fmt == FMT_Q8_0) {
-            for (int j = 0; j < 4; j++) {
-                const __m128i q = _mm_loadl_epi64((const __m128i *)(row + 32 * b + 8 * j));
-                _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(i8x8_to_float(q), d));
-            }
-            continue;
-        }
-        const __m256 m = _mm256_set1_ps(fmt == FMT_Q4_1 ? half_to_float(ms + 2 * b) : -8.0f * dv);
-        for (int h = 0; h < 2; h++) {  /* as block_dot_ps: 8 code bytes, two nibbles a lane */
-            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + 16 * b + 8 * h)));
-            _mm256_storeu_ps(o + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), d, m));
-            _mm256_storeu_ps(o + 16 + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d, m));
-        }
+    switch (fmt) {
+    case FMT_F16: dequant_row_fmt(FMT_F16, row, K, out); break;
+    case FMT_BF16: dequant_row_fmt(FMT_BF16, row, K, out); break;
+    case FMT_Q4_0: dequant_row_fmt(FMT_Q4_0, row, K, out); break;
+    case FMT_Q4_1: dequant_row_fmt(FMT_Q4_1, row, K, out); break;
+    case FMT_Q5_0: dequant_row_fmt(FMT_Q5_0, row, K, out); break;
+    case FMT_Q5_1: dequant_row_fmt(FMT_Q5_1, row, K, out); break;
+    case FMT_Q8_0: dequant_row_fmt(FMT_Q8_0, row, K, out); break;
+    case FMT_Q4_K: dequant_row_fmt(FMT_Q4_K, row, K, out); break;
+    case FMT_Q5_K: dequant_row_fmt(FMT_Q5_K, row, K, out); break;
+    case FMT_Q6_K: dequant_row_fmt(FMT_Q6_K, row, K, out); break;
     }
 }
 
@@ -152,18 +411,6 @@ static void tile(const float *x, int ldx, int m0, int m1, int K, const float *w,
         }
     }
 }
-
-/* Whether M rows of x take the few-rows kernels (weights unpacked in registers, once per row of
- * x) or the tiles (each weight dequantized once into L1, used by MT rows at a time). Measured on
- * SmolLM2 at 2 threads: for the exact kernel the tiles win from 2 rows on; the int16 kernel's
- * integer products keep it ahead up to 3 rows. */
-#define FEW_ROWS_EXACT 2
-#define FEW_ROWS_INT16 4
-
-static inline int few_rows(int M, int int16_activations) {
-    return M < (int16_activations ? FEW_ROWS_INT16 : FEW_ROWS_EXACT);
-}
-
 /* The few-rows kernels take 8 blocks at a time: one 8-lane vector per block (or per pair of
  * blocks) of partial sums, reduced to one vector holding each block's sum, so the scales, the
  * minimums and x's block sums of 8 blocks are applied with a few vector instructions. */
@@ -187,30 +434,122 @@ INLINE __m256 load_halves(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* dot(codes of block b, x_b) as 8 partial sums (fp32 x). */
-INLINE __m256 block_dot_ps(int fmt, const uint8_t *row, int b, const float *xb) {
+
+/* dot(codes of block b, x_b) as 8 partial sums (fp32 x); Q6_K's two halves apart in *hi. */
+INLINE __m256 block_dot_ps(int fmt, const uint8_t *row, int nb, int b, const float *xb, __m256 *hi) {
     __m256 f[4];
-    if (fmt == FMT_Q8_0) {
-        for (int j = 0; j < 4; j++)
-            f[j] = i8x8_to_float(_mm_loadl_epi64((const __m128i *)(row + 32 * b + 8 * j)));
-    } else {
-        /* 8 code bytes widened to 8 lanes (the load folds into the widening), then each lane's
-         * two nibbles: byte j holds weights j (low) and j + 16 (high). */
-        const __m256i low4 = _mm256_set1_epi32(0x0F);
-        for (int h = 0; h < 2; h++) {
-            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + 16 * b + 8 * h)));
-            f[h] = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
-            f[h + 2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-        }
-    }
+    block_codes(fmt, row, nb, b, f);
     __m256 s = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
     s = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), s);
+    if (fmt == FMT_Q6_K) {
+        *hi = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+        return s;
+    }
     s = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), s);
     return _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), s);
 }
 
-/* The offset term of 8 blocks from b: m_j * xs_j, where m is Q4_1's minimum, -8d for Q4_0, 0 for
- * Q8_0; ``offset`` is one block's m. */
+/* 8 blocks from b into acc: each block's sum of code * x times its scale, plus its offset times
+ * the sum of its x (``xsum``). The scales and offsets of 8 blocks are applied as vectors. */
+INLINE __m256 group_f32(int fmt, const uint8_t *row, const uint8_t *meta, int nb, int b,
+                        const float *x, const float *xsum, __m256 acc) {
+    __m256 v[8];
+    if (fmt == FMT_Q6_K) {  /* two scales a block: applied per block, before the reduction */
+        const uint8_t *m = meta + (size_t)(b / 8) * 18;
+        const __m256 d = _mm256_set1_ps(half_to_float(m));
+        float lo[8], hi[8];
+        _mm256_storeu_ps(lo, _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 2)))));
+        _mm256_storeu_ps(hi, _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 10)))));
+        for (int j = 0; j < 8; j++) {
+            __m256 h;
+            const __m256 l = block_dot_ps(fmt, row, nb, b + j, x + (size_t)(b + j) * 32, &h);
+            v[j] = _mm256_fmadd_ps(h, _mm256_set1_ps(hi[j]), _mm256_mul_ps(l, _mm256_set1_ps(lo[j])));
+        }
+        return _mm256_add_ps(acc, reduce8_ps(v));
+    }
+    for (int j = 0; j < 8; j++)
+        v[j] = block_dot_ps(fmt, row, nb, b + j, x + (size_t)(b + j) * 32, NULL);
+    __m256 scale, off;
+    if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) {
+        const uint8_t *m = meta + (size_t)(b / 8) * 20;
+        scale = _mm256_mul_ps(_mm256_set1_ps(half_to_float(m)),
+                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + 4)))));
+        off = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(m + 2)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + 12)))));
+    } else {
+        scale = load_halves(meta + 2 * (size_t)b);
+        off = has_min(fmt) ? load_halves(meta + 2 * (size_t)nb + 2 * b)
+            : _mm256_mul_ps(scale, _mm256_set1_ps(fmt == FMT_Q4_0 ? -8.0f : fmt == FMT_Q5_0 ? -16.0f : 0.0f));
+    }
+    acc = _mm256_fmadd_ps(reduce8_ps(v), scale, acc);
+    return fmt == FMT_Q8_0 ? acc : _mm256_fmadd_ps(off, _mm256_loadu_ps(xsum + b), acc);
+}
+
+INLINE float dot_row_fmt(int fmt, const uint8_t *row, const float *x, const float *xsum, int K) {
+    if (is_16bit(fmt)) {
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int k = 0; k < K; k += 32)
+            for (int j = 0; j < 4; j++)
+                a[j] = _mm256_fmadd_ps(load16(fmt, row + 2 * (size_t)(k + 8 * j)),
+                                       _mm256_loadu_ps(x + k + 8 * j), a[j]);
+        return hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+    }
+    const int nb = K / 32;
+    const uint8_t *meta = row_meta(fmt, row, nb);
+    __m256 acc = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 8 <= nb; b += 8)
+        acc = group_f32(fmt, row, meta, nb, b, x, xsum, acc);
+    float tail = 0.0f;  /* the last nb % 8 blocks (none for the K-quants), one at a time */
+    for (; b < nb; b++) {
+        float s0, s1, off;
+        block_affine(fmt, meta, nb, b, &s0, &s1, &off);
+        tail += hsum(block_dot_ps(fmt, row, nb, b, x + (size_t)b * 32, NULL)) * s0 + off * xsum[b];
+    }
+    return hsum(acc) + tail;
+}
+
+/* dot(w_row, x), exact: sum over blocks of scale * dot(codes, x_b) + offset * sum(x_b);
+ * ``xsum`` holds sum(x_b) per block. */
+static float dot_row(int fmt, const uint8_t *row, const float *x, const float *xsum, int K) {
+    switch (fmt) {
+    case FMT_F16: return dot_row_fmt(FMT_F16, row, x, xsum, K);
+    case FMT_BF16: return dot_row_fmt(FMT_BF16, row, x, xsum, K);
+    case FMT_Q4_0: return dot_row_fmt(FMT_Q4_0, row, x, xsum, K);
+    case FMT_Q4_1: return dot_row_fmt(FMT_Q4_1, row, x, xsum, K);
+    case FMT_Q5_0: return dot_row_fmt(FMT_Q5_0, row, x, xsum, K);
+    case FMT_Q5_1: return dot_row_fmt(FMT_Q5_1, row, x, xsum, K);
+    case FMT_Q8_0: return dot_row_fmt(FMT_Q8_0, row, x, xsum, K);
+    case FMT_Q4_K: return dot_row_fmt(FMT_Q4_K, row, x, xsum, K);
+    case FMT_Q5_K: return dot_row_fmt(FMT_Q5_K, row, x, xsum, K);
+    default: return dot_row_fmt(FMT_Q6_K, row, x, xsum, K);
+    }
+}
+
+static void block_sums(const float *x, int K, float *out) {
+    for (int b = 0; b < K / 32; b++) {
+        const float *xb = x + b * 32;
+        out[b] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                    _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24))));
+    }
+}
+
+/* The int16-activation variant (opt-in; Q4_0, Q4_1 and Q8_0 only; not exact, relative error
+ * ~5e-5): each 32-block of x is
+ * rounded to int16 with its own scale (dx), so a block's dot product is an exact integer sum.
+ * The weights' offset term (Q4_1's m, Q4_0's -8d) uses the exact float sums of x.
+ *
+ * Q8_0 codes are widened to int16 and multiplied with madd. For 4-bit codes (0..15) the int16 x
+ * is split into its signed high byte and unsigned low byte, x = 256 * xh + xl, so that maddubs
+ * (unsigned bytes times signed bytes, pairs summed to int16) takes 32 codes at once: codes * xh
+ * and xl * codes (a code is a valid signed byte) never leave int16, and two madds combine them
+ * into sum(code * x) exactly. Two blocks go together (their 32 code bytes are adjacent): x is
+ * laid out per pair of blocks as four 32-byte vectors, xh of weights 0-15 of both blocks, xh of
+ * weights 16-31, then xl of the same (see quantize_row_q16). */
+/* The int16 kernels' formats, and their offset terms: m_j * xs_j, where m is Q4_1's minimum,
+ * -8d for Q4_0, 0 for Q8_0 (8 blocks from b, or block b alone). */
+static inline int int16_format(int fmt) { return fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q8_0; }
+
 INLINE __m256 offsets(int fmt, const uint8_t *ds, int nb, int b, const float *xs, __m256 acc) {
     if (fmt == FMT_Q4_1)
         return _mm256_fmadd_ps(load_halves(ds + 2 * (size_t)nb + 2 * b), _mm256_loadu_ps(xs + b), acc);
@@ -226,58 +565,6 @@ INLINE float offset(int fmt, const uint8_t *ds, int nb, int b) {
     return 0.0f;
 }
 
-/* 8 blocks from b into acc (see group_q16). */
-INLINE __m256 group_f32(int fmt, const uint8_t *row, const uint8_t *ds, int nb, int b,
-                        const float *x, const float *xsum, __m256 acc) {
-    __m256 v[8];
-    for (int j = 0; j < 8; j++)
-        v[j] = block_dot_ps(fmt, row, b + j, x + (size_t)(b + j) * 32);
-    acc = _mm256_fmadd_ps(reduce8_ps(v), load_halves(ds + 2 * b), acc);
-    return offsets(fmt, ds, nb, b, xsum, acc);
-}
-
-INLINE float dot_row_fmt(int fmt, const uint8_t *row, const float *x, const float *xsum, int nb) {
-    const uint8_t *ds = row_scales(fmt, row, nb);
-    __m256 acc = _mm256_setzero_ps();
-    int b = 0;
-    for (; b + 8 <= nb; b += 8)
-        acc = group_f32(fmt, row, ds, nb, b, x, xsum, acc);
-    float tail = 0.0f;  /* the last nb % 8 blocks, one at a time */
-    for (; b < nb; b++)
-        tail += hsum(block_dot_ps(fmt, row, b, x + (size_t)b * 32)) * half_to_float(ds + 2 * b)
-                + offset(fmt, ds, nb, b) * xsum[b];
-    return hsum(acc) + tail;
-}
-
-/* dot(w_row, x), exact: sum over blocks of d * dot(codes, x_b) + m * sum(x_b); ``xsum`` holds
- * sum(x_b) per block. */
-static float dot_row(int fmt, const uint8_t *row, const float *x, const float *xsum, int nb) {
-    switch (fmt) {
-    case FMT_Q4_0: return dot_row_fmt(FMT_Q4_0, row, x, xsum, nb);
-    case FMT_Q4_1: return dot_row_fmt(FMT_Q4_1, row, x, xsum, nb);
-    default: return dot_row_fmt(FMT_Q8_0, row, x, xsum, nb);
-    }
-}
-
-static void block_sums(const float *x, int K, float *out) {
-    for (int b = 0; b < K / 32; b++) {
-        const float *xb = x + b * 32;
-        out[b] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
-                                    _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24))));
-    }
-}
-
-/* The int16-activation variant (opt-in; not exact, relative error ~5e-5): each 32-block of x is
- * rounded to int16 with its own scale (dx), so a block's dot product is an exact integer sum.
- * The weights' offset term (Q4_1's m, Q4_0's -8d) uses the exact float sums of x.
- *
- * Q8_0 codes are widened to int16 and multiplied with madd. For 4-bit codes (0..15) the int16 x
- * is split into its signed high byte and unsigned low byte, x = 256 * xh + xl, so that maddubs
- * (unsigned bytes times signed bytes, pairs summed to int16) takes 32 codes at once: codes * xh
- * and xl * codes (a code is a valid signed byte) never leave int16, and two madds combine them
- * into sum(code * x) exactly. Two blocks go together (their 32 code bytes are adjacent): x is
- * laid out per pair of blocks as four 32-byte vectors, xh of weights 0-15 of both blocks, xh of
- * weights 16-31, then xl of the same (see quantize_row_q16). */
 #define QX_BLOCK_BYTES 64  /* bytes of prepared x per block, either layout */
 
 /* Bytes of one prepared row of K values: whole pairs of blocks (an odd last block's partner is 0). */
@@ -367,7 +654,7 @@ INLINE __m256 group_q16(int fmt, const uint8_t *row, const uint8_t *ds, int nb, 
 
 INLINE float dot_row_q16_fmt(int fmt, const uint8_t *row, const uint8_t *qx, const float *dx,
                              const float *xs, int nb) {
-    const uint8_t *ds = row_scales(fmt, row, nb);
+    const uint8_t *ds = row_meta(fmt, row, nb);
     __m256 acc = _mm256_setzero_ps();
     int b = 0;
     for (; b + 8 <= nb; b += 8)
@@ -402,11 +689,66 @@ static float dot_row_q16(int fmt, const uint8_t *row, const uint8_t *qx, const f
     }
 }
 
-/* The pieces below run inside a parallel region their caller opens: their loops are orphaned
+/* -- linear layers -------------------------------------------------------------------------------
+ *
+ * The pieces below run inside a parallel region their caller opens: their loops are orphaned
  * work-sharing constructs (``omp for``), so a public entry point opens one region for one op and
  * tri_decode_step opens one for a whole step, and both run the same code in the same order (the
  * fused step's results are bitwise those of the op-by-op path). Each ``omp for`` ends with a
  * barrier. */
+
+/* Whether M rows of x take the few-rows kernels (weights unpacked in registers, once per row of
+ * x) or the tiles (each weight dequantized once into L1, used by MT rows at a time). Measured on
+ * SmolLM2 at 2 threads: for the exact kernel the tiles win from 2 rows on; the int16 kernel's
+ * integer products keep it ahead up to 3 rows. */
+#define FEW_ROWS_EXACT 2
+#define FEW_ROWS_INT16 4
+
+static inline int few_rows(int M, int q16) {
+    return M < (q16 ? FEW_ROWS_INT16 : FEW_ROWS_EXACT);
+}
+
+/* A linear layer y[M, N] = x[M, K] @ W[N, K]^T (+ bias). W's rows come in up to MAX_PARTS
+ * parts, each in a format of its own: a fused projection whose parts the GGUF file quantized
+ * differently (Q4_K_M keeps q and k in Q4_K and v in Q6_K in some layers). */
+#define MAX_PARTS 3
+typedef struct {
+    int nparts;
+    int K, N;                       /* N: the parts' rows together */
+    const float *bias;              /* [N], or NULL */
+    int int16_activations;          /* asked for; taken where lin_int16 says */
+    int fmt[MAX_PARTS];
+    const uint8_t *w[MAX_PARTS];
+    size_t row_bytes[MAX_PARTS];    /* bytes from one row of the part to the next */
+    int rows[MAX_PARTS];
+} tri_lin;
+
+/* The int16 kernels run for one part in a format they read. */
+static int lin_int16(const tri_lin *L) {
+    return L->int16_activations && L->nparts == 1 && int16_format(L->fmt[0]);
+}
+
+static int lin_valid(const tri_lin *L) {
+    if (L->nparts < 1 || L->nparts > MAX_PARTS || L->K <= 0 || L->K % 32)
+        return 0;
+    int n = 0;
+    for (int p = 0; p < L->nparts; p++) {
+        const size_t need = tri_row_bytes(L->fmt[p], L->K);
+        if (need == 0 || L->row_bytes[p] < need || L->rows[p] < 0 || !L->w[p])
+            return 0;
+        n += L->rows[p];
+    }
+    return n == L->N;
+}
+
+/* Row n of W: its part's format and bytes. */
+static inline const uint8_t *lin_row(const tri_lin *L, int n, int *fmt, size_t *row_bytes) {
+    int p = 0;
+    while (p + 1 < L->nparts && n >= L->rows[p]) n -= L->rows[p++];
+    *fmt = L->fmt[p];
+    *row_bytes = L->row_bytes[p];
+    return L->w[p] + (size_t)n * L->row_bytes[p];
+}
 
 /* What a few-rows product needs of x before the threads start: the float sums of x's blocks,
  * and with int16 activations x rounded to int16 (qx) with a scale per block (dx). */
@@ -418,78 +760,108 @@ static void linear_prep(int fmt, const float *x, int M, int K, float *xsum, uint
     }
 }
 
-/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias), few_rows(M), after linear_prep: exact (dot_row), or
- * with x rounded to int16 (dot_row_q16) when qx is given. */
-static void linear_few_rows_omp(int fmt, const float *x, int M, int K, const uint8_t *w,
-                                size_t row_bytes, int N, const float *bias, float *y,
+/* few_rows(M), after linear_prep: exact (dot_row), or with x rounded to int16 (dot_row_q16)
+ * when qx is given. */
+static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *y,
                                 const float *xsum, const uint8_t *qx, const float *dx) {
-    const int nb = K / 32;
+    const int K = L->K, N = L->N, nb = K / 32;
     #pragma omp for schedule(static)
     for (int n = 0; n < N; n++) {
-        const uint8_t *row = w + (size_t)n * row_bytes;
-        /* the row after next on its way from memory while this one is computed */
-        for (size_t off = 0; off < row_bytes; off += 64)
-            _mm_prefetch((const char *)(row + 2 * row_bytes + off), _MM_HINT_T0);
+        int fmt;
+        size_t rb;
+        const uint8_t *row = lin_row(L, n, &fmt, &rb);
+        /* the row after next on its way from memory while this one is computed (a prefetch past
+         * the part's end cannot fault) */
+        for (size_t off = 0; off < rb; off += 64)
+            _mm_prefetch((const char *)(row + 2 * rb + off), _MM_HINT_T0);
         for (int m = 0; m < M; m++) {
             const float *xs = xsum + (size_t)m * nb;
             const float dot = qx ? dot_row_q16(fmt, row, qx + m * qx_row_bytes(K), dx + (size_t)m * nb, xs, nb)
-                                 : dot_row(fmt, row, x + (size_t)m * K, xs, nb);
-            y[(size_t)m * N + n] = dot + (bias ? bias[n] : 0.0f);
+                                 : dot_row(fmt, row, x + (size_t)m * K, xs, K);
+            y[(size_t)m * N + n] = dot + (L->bias ? L->bias[n] : 0.0f);
         }
     }
 }
 
-/* The same product for more rows: tiles of NT weight rows dequantized into L1 (a buffer
- * per thread), MB rows of x per pass. */
-static void linear_tiles_omp(int fmt, const float *x, int M, int K, const uint8_t *w,
-                             size_t row_bytes, int N, const float *bias, float *y) {
-    const int tiles = (N + NT - 1) / NT;
-    float *buf = aligned_alloc(64, (size_t)NT * K * sizeof(float));
+/* The same product for more rows: tiles of NT weight rows dequantized into L1 (``bufs``: NT * K
+ * floats per thread), MB rows of x per pass. A tile never spans two parts. */
+static void linear_tiles_omp(const tri_lin *L, const float *x, int M, float *y, float *bufs) {
+    const int K = L->K, N = L->N;
+    int tiles[MAX_PARTS + 1] = {0};  /* tiles before part p */
+    for (int p = 0; p < L->nparts; p++) tiles[p + 1] = tiles[p] + (L->rows[p] + NT - 1) / NT;
+    float *buf = bufs + (size_t)omp_get_thread_num() * NT * K;
     for (int m0 = 0; m0 < M; m0 += MB) {
         const int m1 = m0 + MB < M ? m0 + MB : M;
         #pragma omp for schedule(static) nowait
-        for (int ti = 0; ti < tiles; ti++) {
-            const int n0 = ti * NT;
-            const int nt = N - n0 < NT ? N - n0 : NT;
+        for (int ti = 0; ti < tiles[L->nparts]; ti++) {
+            int p = 0, n0 = 0;
+            while (ti >= tiles[p + 1]) n0 += L->rows[p++];
+            const int r0 = (ti - tiles[p]) * NT;
+            const int nt = L->rows[p] - r0 < NT ? L->rows[p] - r0 : NT;
             for (int t = 0; t < nt; t++)
-                dequant_row(fmt, w + (size_t)(n0 + t) * row_bytes, K, buf + (size_t)t * K);
-            tile(x, K, m0, m1, K, buf, nt, bias, y, N, n0);
+                dequant_row(L->fmt[p], L->w[p] + (size_t)(r0 + t) * L->row_bytes[p], K, buf + (size_t)t * K);
+            tile(x, K, m0, m1, K, buf, nt, L->bias, y, N, n0 + r0);
         }
     }
-    free(buf);
     #pragma omp barrier
 }
 
-/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias). W's rows are ``row_bytes`` apart, in ``fmt``.
- * K must be a multiple of 32. With ``int16_activations``, up to 3 rows of x go through the
- * int16 variant (see few_rows). Returns 0, or -1 on a bad argument. */
-int tri_linear(int fmt, const float *x, int M, int K, const uint8_t *w, size_t row_bytes, int N,
-               const float *bias, float *y, int int16_activations, int nthreads) {
-    if (K % 32 != 0 || tri_block_bytes(fmt) == 0)
-        return -1;
-    if (!few_rows(M, int16_activations)) {
-        #pragma omp parallel num_threads(nthreads)
-        linear_tiles_omp(fmt, x, M, K, w, row_bytes, N, bias, y);
-        return 0;
-    }
-    const int nb = K / 32;
-    float *xsum = malloc((size_t)M * nb * sizeof(float));
-    uint8_t *qx = int16_activations ? aligned_alloc(64, M * qx_row_bytes(K)) : NULL;
-    float *dx = int16_activations ? malloc((size_t)M * nb * sizeof(float)) : NULL;
-    linear_prep(fmt, x, M, K, xsum, qx, dx);
-    #pragma omp parallel num_threads(nthreads)
-    linear_few_rows_omp(fmt, x, M, K, w, row_bytes, N, bias, y, xsum, qx, dx);
-    free(xsum);
-    free(qx);
-    free(dx);
-    return 0;
+/* Scratch of a product of up to M rows of up to K columns on ``threads`` threads. */
+typedef struct {
+    float *xsum, *dx, *tiles;
+    uint8_t *qx;
+} lin_scratch;
+
+static int scratch_alloc(lin_scratch *s, int M, int K, int threads) {
+    s->xsum = malloc((size_t)M * (K / 32) * sizeof(float));
+    s->dx = malloc((size_t)M * (K / 32) * sizeof(float));
+    s->qx = aligned_alloc(64, (size_t)M * qx_row_bytes(K));
+    s->tiles = aligned_alloc(64, (size_t)threads * NT * K * sizeof(float));
+    return s->xsum && s->dx && s->qx && s->tiles;
 }
 
-/* Rows of one GGUF tensor -> fp32 (the embedding lookup of quantized tables). */
-void tri_dequant_rows(int fmt, const uint8_t *w, size_t row_bytes, const int64_t *rows, int n,
-                      int K, float *out) {
+static void scratch_free(lin_scratch *s) {
+    free(s->xsum); free(s->dx); free(s->qx); free(s->tiles);
+}
+
+/* One linear inside a parallel region: the prep by one thread, then the rows shared out. */
+static void linear_omp(const tri_lin *L, const float *x, int M, float *y, const lin_scratch *s) {
+    const int q16 = lin_int16(L);
+    if (!few_rows(M, q16)) {
+        linear_tiles_omp(L, x, M, y, s->tiles);
+        return;
+    }
+    #pragma omp single
+    linear_prep(L->fmt[0], x, M, L->K, s->xsum, q16 ? s->qx : NULL, s->dx);
+    linear_few_rows_omp(L, x, M, y, s->xsum, q16 ? s->qx : NULL, s->dx);
+}
+
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the layer L describes. With int16_activations, up
+ * to 3 rows of x go through the int16 variant (see few_rows, lin_int16). Returns 0, -1 on a bad
+ * description, -2 when scratch memory cannot be had. */
+int tri_linear(const tri_lin *L, const float *x, int M, float *y, int nthreads) {
+    if (!lin_valid(L) || M < 0 || nthreads < 1)
+        return -1;
+    lin_scratch s;
+    int rc = -2;
+    if (scratch_alloc(&s, M, L->K, nthreads)) {
+        #pragma omp parallel num_threads(nthreads)
+        linear_omp(L, x, M, y, &s);
+        rc = 0;
+    }
+    scratch_free(&s);
+    return rc;
+}
+
+/* Rows of one packed tensor -> fp32 (the embedding lookup of a quantized table). Returns 0, or
+ * -1 for a format or K the kernels do not take. */
+int tri_dequant_rows(int fmt, const uint8_t *w, size_t row_bytes, const int64_t *rows, int n,
+                     int K, float *out) {
+    if (tri_row_bytes(fmt, K) == 0 || row_bytes < tri_row_bytes(fmt, K))
+        return -1;
     for (int i = 0; i < n; i++)
         dequant_row(fmt, w + (size_t)rows[i] * row_bytes, K, out + (size_t)i * K);
+    return 0;
 }
 
 /* RMSNorm of one row of H: y = w * v / sqrt(mean(v^2) + eps), where v = x, or with
@@ -544,12 +916,32 @@ void tri_silu_and_mul(const float *x, int M, int I, float *y, int nthreads) {
     silu_and_mul_omp(x, M, I, y);
 }
 
+/* The KV cache holds fp32 or fp16 values (kv_f16); these read and write 8 of them at a time. */
+INLINE __m256 kv_load(const void *cache, size_t at, int kv_f16) {
+    if (kv_f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + at)));
+    return _mm256_loadu_ps((const float *)cache + at);
+}
+
+static void kv_store(void *cache, size_t at, const float *x, int n, int kv_f16) {
+    if (!kv_f16) {
+        memcpy((float *)cache + at, x, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *o = (uint16_t *)cache + at;
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(o + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; i < n; i++) o[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
 /* Neox rotary embedding in place on q [T, Hq, D] and k [T, Hkv, D] (rows ``q_stride`` and
  * ``k_stride`` floats apart per token), then k and v [T, Hkv, D] (v rows ``v_stride`` apart)
- * stored into their cache slots: cache [num_slots, Hkv, D]. cos_sin: [max_pos, D] = cat(cos, sin). */
+ * stored into their cache slots: cache [num_slots, Hkv, D], fp32 or fp16 (rounded to nearest
+ * even, as torch's cast). cos_sin: [max_pos, D] = cat(cos, sin). */
 static void rope_store_token(float *q, float *k, const float *v, int64_t position, int64_t slot,
-                             int Hq, int Hkv, int D, const float *cos_sin, float *k_cache,
-                             float *v_cache) {
+                             int Hq, int Hkv, int D, const float *cos_sin, void *k_cache,
+                             void *v_cache, int kv_f16) {
     const int half = D / 2;
     const float *cs = cos_sin + (size_t)position * D;
     for (int h = 0; h < Hq + Hkv; h++) {
@@ -560,37 +952,39 @@ static void rope_store_token(float *q, float *k, const float *v, int64_t positio
             x[i + half] = x2 * c + x1 * s;
         }
     }
-    memcpy(k_cache + (size_t)slot * Hkv * D, k, (size_t)Hkv * D * sizeof(float));
-    memcpy(v_cache + (size_t)slot * Hkv * D, v, (size_t)Hkv * D * sizeof(float));
+    kv_store(k_cache, (size_t)slot * Hkv * D, k, Hkv * D, kv_f16);
+    kv_store(v_cache, (size_t)slot * Hkv * D, v, Hkv * D, kv_f16);
 }
 
 void tri_rope_store(float *q, int q_stride, float *k, int k_stride, const float *v, int v_stride,
                     const int64_t *positions, const int64_t *slots, int T, int Hq, int Hkv, int D,
-                    const float *cos_sin, float *k_cache, float *v_cache) {
+                    const float *cos_sin, void *k_cache, void *v_cache, int kv_f16) {
     for (int t = 0; t < T; t++)
         rope_store_token(q + (size_t)t * q_stride, k + (size_t)t * k_stride, v + (size_t)t * v_stride,
-                         positions[t], slots[t], Hq, Hkv, D, cos_sin, k_cache, v_cache);
+                         positions[t], slots[t], Hq, Hkv, D, cos_sin, k_cache, v_cache, kv_f16);
 }
 
 /* Decode attention over the paged cache, read in place (no gathered copy).
- * q: [B, Hq, D] (rows ``q_stride`` floats apart per sequence); cache: [pages, S, Hkv, D];
- * page_table: [B, max_pages]; seq_lens: [B]; out: [B, Hq, D]; D a multiple of 8.
+ * q: [B, Hq, D] (rows ``q_stride`` floats apart per sequence); cache: [pages, S, Hkv, D], fp32
+ * or fp16 (kv_f16; widened to fp32 as it is read); page_table: [B, max_pages]; seq_lens: [B];
+ * out: [B, Hq, D]; D a multiple of 8; every seq_len at most max_len.
  * One work item per sequence: its pages are read in address order, every KV head of a token
  * together (they are adjacent), and a head's keys and values stay in L2 for its G = Hq / Hkv
- * query heads; with fewer than two sequences per thread, one per (sequence, query head). Scores are exact (two passes: max, then exp and sums), as torch's SDPA. */
-static void attend_one(const float *qr, const float *k_cache, const float *v_cache,
+ * query heads; with fewer than two sequences per thread, one per (sequence, query head).
+ * Scores are exact (two passes: max, then exp and sums), as torch's SDPA. */
+INLINE void attend_one(const float *qr, const void *k_cache, const void *v_cache,
                        const int64_t *pages, int L, int kh, int Hkv, int D, int S, float scale,
-                       float *scores, float *o) {
+                       float *scores, float *o, int kv_f16) {
     float mx = -INFINITY;
     for (int p = 0; p < L; p++) {
-        const float *kr = k_cache + (((size_t)pages[p / S] * S + p % S) * Hkv + kh) * D;
+        const size_t kr = (((size_t)pages[p / S] * S + p % S) * Hkv + kh) * D;
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
         int i = 0;
         for (; i + 16 <= D; i += 16) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), _mm256_loadu_ps(kr + i), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i + 8), _mm256_loadu_ps(kr + i + 8), a1);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), kv_load(k_cache, kr + i, kv_f16), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i + 8), kv_load(k_cache, kr + i + 8, kv_f16), a1);
         }
-        if (i < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), _mm256_loadu_ps(kr + i), a0);
+        if (i < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), kv_load(k_cache, kr + i, kv_f16), a0);
         const float s = hsum(_mm256_add_ps(a0, a1)) * scale;
         scores[p] = s;
         if (s > mx) mx = s;
@@ -613,10 +1007,10 @@ static void attend_one(const float *qr, const float *k_cache, const float *v_cac
         __m256 acc[8];
         for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
         for (int p = 0; p < L; p++) {
-            const float *vr = v_cache + (((size_t)pages[p / S] * S + p % S) * Hkv + kh) * D + i0;
+            const size_t vr = (((size_t)pages[p / S] * S + p % S) * Hkv + kh) * D + i0;
             const __m256 w = _mm256_set1_ps(scores[p]);
             for (int j = 0; j < nv; j++)
-                acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+                acc[j] = _mm256_fmadd_ps(w, kv_load(v_cache, vr + 8 * j, kv_f16), acc[j]);
         }
         const __m256 scale_out = _mm256_set1_ps(inv);
         for (int j = 0; j < nv; j++)
@@ -624,34 +1018,57 @@ static void attend_one(const float *qr, const float *k_cache, const float *v_cac
     }
 }
 
-static void decode_attention_omp(const float *q, int q_stride, const float *k_cache,
-                                 const float *v_cache, const int64_t *page_table, int max_pages,
+/* ``scores``: room for max_len floats per thread (the caller's, so nothing is allocated here). */
+static void decode_attention_omp(const float *q, int q_stride, const void *k_cache,
+                                 const void *v_cache, const int64_t *page_table, int max_pages,
                                  const int64_t *seq_lens, int B, int Hq, int Hkv, int D, int S,
-                                 float scale, float *out, int max_len, int nthreads) {
+                                 float scale, float *out, int max_len, float *scores_all,
+                                 int nthreads, int kv_f16) {
     const int G = Hq / Hkv;
     /* Enough sequences: one work item each. Fewer than two per thread: one per (sequence, head). */
     const int per_head = B < 2 * nthreads;
     const int items = per_head ? B * Hq : B;
-    float *scores = malloc((size_t)max_len * sizeof(float));
+    float *scores = scores_all + (size_t)omp_get_thread_num() * max_len;
     #pragma omp for schedule(dynamic)
     for (int i = 0; i < items; i++) {
         const int b = per_head ? i / Hq : i;
         const int L = (int)seq_lens[b];
         const int64_t *pages = page_table + (size_t)b * max_pages;
-        for (int h = per_head ? i % Hq : 0; h < (per_head ? i % Hq + 1 : Hq); h++)
-            attend_one(q + (size_t)b * q_stride + (size_t)h * D, k_cache, v_cache, pages, L,
-                       h / G, Hkv, D, S, scale, scores, out + ((size_t)b * Hq + h) * D);
+        for (int h = per_head ? i % Hq : 0; h < (per_head ? i % Hq + 1 : Hq); h++) {
+            const float *qr = q + (size_t)b * q_stride + (size_t)h * D;
+            float *o = out + ((size_t)b * Hq + h) * D;
+            if (kv_f16)
+                attend_one(qr, k_cache, v_cache, pages, L, h / G, Hkv, D, S, scale, scores, o, 1);
+            else
+                attend_one(qr, k_cache, v_cache, pages, L, h / G, Hkv, D, S, scale, scores, o, 0);
+        }
     }
-    free(scores);
 }
 
-void tri_decode_attention(const float *q, int q_stride, const float *k_cache,
-                          const float *v_cache, const int64_t *page_table, int max_pages,
-                          const int64_t *seq_lens, int B, int Hq, int Hkv, int D, int S,
-                          float scale, float *out, int max_len, int nthreads) {
+/* Every context length within [1, max_len] and its pages within the table's width: the kernels
+ * trust these, so they are checked once per call. */
+static int seq_lens_valid(const int64_t *seq_lens, int B, int max_len, int max_pages, int S) {
+    for (int b = 0; b < B; b++)
+        if (seq_lens[b] < 1 || seq_lens[b] > max_len || (seq_lens[b] + S - 1) / S > max_pages)
+            return 0;
+    return 1;
+}
+
+/* Returns 0, -1 on a context length the arguments do not allow, -2 without memory. */
+int tri_decode_attention(const float *q, int q_stride, const void *k_cache,
+                         const void *v_cache, const int64_t *page_table, int max_pages,
+                         const int64_t *seq_lens, int B, int Hq, int Hkv, int D, int S,
+                         float scale, float *out, int max_len, int nthreads, int kv_f16) {
+    if (!seq_lens_valid(seq_lens, B, max_len, max_pages, S))
+        return -1;
+    float *scores = malloc((size_t)nthreads * max_len * sizeof(float));
+    if (!scores)
+        return -2;
     #pragma omp parallel num_threads(nthreads)
     decode_attention_omp(q, q_stride, k_cache, v_cache, page_table, max_pages, seq_lens, B, Hq,
-                         Hkv, D, S, scale, out, max_len, nthreads);
+                         Hkv, D, S, scale, out, max_len, scores, nthreads, kv_f16);
+    free(scores);
+    return 0;
 }
 
 /* -- A whole decode step in one call --------------------------------------------------------------
@@ -661,16 +1078,7 @@ void tri_decode_attention(const float *q, int q_stride, const float *k_cache,
  * (embedding, every layer, the final norm, the lm_head) runs in one parallel region; the threads
  * meet at a barrier between ops. Each op is the same code the op-by-op path runs, in the same
  * order, so the logits are bitwise the same. Only for a step of B sequences decoding one token
- * each, with every linear weight in a block format. */
-
-typedef struct {
-    int fmt;
-    const uint8_t *w;
-    size_t row_bytes;
-    int N, K;
-    const float *bias;     /* or NULL */
-    int int16_activations;
-} tri_lin;
+ * each, with every linear weight packed (tri_pack). */
 
 typedef struct {
     const float *input_norm, *post_norm;
@@ -680,6 +1088,7 @@ typedef struct {
 
 typedef struct {
     int num_layers, H, Hq, Hkv, D, I, page_size;
+    int kv_f16;               /* the KV cache's values are fp16 (else fp32) */
     float eps, scale;
     int embed_fmt;            /* a block format, or 0: fp32 rows of H floats */
     const uint8_t *embed;
@@ -690,26 +1099,15 @@ typedef struct {
     const tri_layer *layers;  /* num_layers of them */
 } tri_model;
 
-/* One linear inside the step's region: the prep by one thread, then the rows shared out.
- * ``xsum``, ``qx``, ``dx`` are the step's scratch (room for B rows of the widest input). */
-static void step_linear(const tri_lin *L, const float *x, int M, float *y, float *xsum,
-                        uint8_t *qx, float *dx) {
-    if (!few_rows(M, L->int16_activations)) {
-        linear_tiles_omp(L->fmt, x, M, L->K, L->w, L->row_bytes, L->N, L->bias, y);
-        return;
-    }
-    uint8_t *q = L->int16_activations ? qx : NULL;
-    #pragma omp single
-    linear_prep(L->fmt, x, M, L->K, xsum, q, dx);
-    linear_few_rows_omp(L->fmt, x, M, L->K, L->w, L->row_bytes, L->N, L->bias, y, xsum, q, dx);
-}
-
 /* logits [B, vocab] for B sequences each decoding one token: ids, positions and KV slots of the
- * new tokens, the page table [B, max_pages] and context lengths (after this token) of each. */
-int tri_decode_step(const tri_model *m, float *const *k_caches, float *const *v_caches, int B,
+ * new tokens, the page table [B, max_pages] and context lengths (after this token) of each.
+ * Returns 0, -1 on a context length the arguments do not allow, -2 without memory. */
+int tri_decode_step(const tri_model *m, void *const *k_caches, void *const *v_caches, int B,
                     const int64_t *ids, const int64_t *positions, const int64_t *slots,
                     const int64_t *page_table, int max_pages, const int64_t *seq_lens,
                     int max_len, float *logits, int nthreads) {
+    if (!seq_lens_valid(seq_lens, B, max_len, max_pages, m->page_size))
+        return -1;
     const int H = m->H, Hq = m->Hq, Hkv = m->Hkv, D = m->D, I = m->I;
     const int QKV = (Hq + 2 * Hkv) * D;
     int widest = H > I ? H : I;
@@ -721,11 +1119,11 @@ int tri_decode_step(const tri_model *m, float *const *k_caches, float *const *v_
     float *attn = malloc((size_t)B * Hq * D * sizeof(float));
     float *gate_up = malloc((size_t)B * 2 * I * sizeof(float));
     float *act = malloc((size_t)B * I * sizeof(float));
-    float *xsum = malloc((size_t)B * (widest / 32) * sizeof(float));
-    uint8_t *qx = aligned_alloc(64, B * qx_row_bytes(widest));
-    float *dx = malloc((size_t)B * (widest / 32) * sizeof(float));
-    int rc = -1;
-    if (!hidden || !residual || !normed || !qkv || !attn || !gate_up || !act || !xsum || !qx || !dx)
+    float *scores = malloc((size_t)nthreads * max_len * sizeof(float));
+    lin_scratch s;
+    int rc = -2;
+    const int have = scratch_alloc(&s, B, widest, nthreads);
+    if (!have || !hidden || !residual || !normed || !qkv || !attn || !gate_up || !act || !scores)
         goto done;
     for (int b = 0; b < B; b++) {
         float *row = residual + (size_t)b * H;  /* the embedding is layer 0's residual */
@@ -741,7 +1139,7 @@ int tri_decode_step(const tri_model *m, float *const *k_caches, float *const *v_
             /* layer 0 normalizes the embedding; later layers add the pending residual first */
             rms_norm_omp(l ? hidden : residual, l ? residual : NULL, l ? residual : NULL,
                          L->input_norm, B, H, m->eps, normed);
-            step_linear(&L->qkv, normed, B, qkv, xsum, qx, dx);
+            linear_omp(&L->qkv, normed, B, qkv, &s);
             #pragma omp for schedule(static)
             for (int b = 0; b < B; b++) {
                 float *q = qkv + (size_t)b * QKV, *k = q + Hq * D, *v = k + Hkv * D;
@@ -752,23 +1150,55 @@ int tri_decode_step(const tri_model *m, float *const *k_caches, float *const *v_
                         rms_norm_row(k + h * D, NULL, NULL, L->k_norm, D, m->eps, k + h * D);
                 }
                 rope_store_token(q, k, v, positions[b], slots[b], Hq, Hkv, D, m->cos_sin,
-                                 k_caches[l], v_caches[l]);
+                                 k_caches[l], v_caches[l], m->kv_f16);
             }
             decode_attention_omp(qkv, QKV, k_caches[l], v_caches[l], page_table, max_pages,
                                  seq_lens, B, Hq, Hkv, D, m->page_size, m->scale, attn, max_len,
-                                 omp_get_num_threads());
-            step_linear(&L->o, attn, B, hidden, xsum, qx, dx);
+                                 scores, omp_get_num_threads(), m->kv_f16);
+            linear_omp(&L->o, attn, B, hidden, &s);
             rms_norm_omp(hidden, residual, residual, L->post_norm, B, H, m->eps, normed);
-            step_linear(&L->gate_up, normed, B, gate_up, xsum, qx, dx);
+            linear_omp(&L->gate_up, normed, B, gate_up, &s);
             silu_and_mul_omp(gate_up, B, I, act);
-            step_linear(&L->down, act, B, hidden, xsum, qx, dx);
+            linear_omp(&L->down, act, B, hidden, &s);
         }
         rms_norm_omp(hidden, residual, residual, m->final_norm, B, H, m->eps, normed);
-        step_linear(&m->lm_head, normed, B, logits, xsum, qx, dx);
+        linear_omp(&m->lm_head, normed, B, logits, &s);
     }
     rc = 0;
 done:
     free(hidden); free(residual); free(normed); free(qkv); free(attn); free(gate_up);
-    free(act); free(xsum); free(qx); free(dx);
+    free(act); free(scores);
+    scratch_free(&s);
     return rc;
+}
+
+/* 1 if every linear of the model is a valid description whose shapes fit the model's. */
+int tri_model_valid(const tri_model *m) {
+    const int H = m->H, QKV = (m->Hq + 2 * m->Hkv) * m->D;
+    if (m->num_layers < 1 || m->D % 8 || m->Hkv < 1 || m->Hq % m->Hkv || m->page_size < 1)
+        return 0;
+    if (m->embed_fmt && tri_row_bytes(m->embed_fmt, H) == 0)
+        return 0;
+    if (!lin_valid(&m->lm_head) || m->lm_head.K != H)
+        return 0;
+    for (int l = 0; l < m->num_layers; l++) {
+        const tri_layer *L = &m->layers[l];
+        if (!lin_valid(&L->qkv) || !lin_valid(&L->o) || !lin_valid(&L->gate_up) || !lin_valid(&L->down))
+            return 0;
+        if (L->qkv.K != H || L->qkv.N != QKV || L->o.K != m->Hq * m->D || L->o.N != H
+            || L->gate_up.K != H || L->gate_up.N != 2 * m->I || L->down.K != m->I || L->down.N != H)
+            return 0;
+    }
+    return 1;
+}
+
+/* sizeof the structs of the ctypes boundary (0: tri_lin, 1: tri_layer, 2: tri_model), which
+ * kernels/cpu.py compares with its own mirrors at load. */
+size_t tri_struct_size(int which) {
+    switch (which) {
+    case 0: return sizeof(tri_lin);
+    case 1: return sizeof(tri_layer);
+    case 2: return sizeof(tri_model);
+    default: return 0;
+    }
 }

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu, reference
-from kernels.cpu import CpuKernels, DecoderWeights, DecodeStep, PackedWeight
+from kernels.cpu import CpuKernels, DecoderWeights, DecodeStep, Packed, PackedParts, PackedWeight
 
 _FORCE_REFERENCE = os.environ.get("TRIO_INFER_KERNELS", "") == "reference"
 
@@ -40,6 +40,18 @@ def _cpu(*tensors: torch.Tensor) -> CpuKernels | None:
         return None
     for t in tensors:
         if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+            return None
+    return cpu.load()
+
+
+def _cpu_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> CpuKernels | None:
+    """The C kernels if they run here and the KV cache is a contiguous fp32 or fp16 CPU cache
+    (both of one dtype)."""
+    if (_FORCE_REFERENCE or k_cache.dtype != v_cache.dtype
+            or k_cache.dtype not in (torch.float32, torch.float16)):
+        return None
+    for t in (k_cache, v_cache):
+        if t.device.type != "cpu" or not t.is_contiguous():
             return None
     return cpu.load()
 
@@ -93,6 +105,24 @@ def _triton_kernels() -> dict[str, ModuleType]:
     }
 
 
+def compute_path(device: torch.device | str) -> tuple[str, str | None]:
+    """Which kernels serve on ``device``, and what is missing where a slower path stands in:
+    ``("cpu-kernels", None)``, ``("triton", None)``, or e.g. ``("torch-reference", "the CPU
+    kernels are unavailable here (no C compiler (gcc or $CC) found): ...")``. The worker reports
+    both (the startup log, ``/v1/status``): nothing degrades silently."""
+    if torch.device(device).type == "cuda":
+        if not _FORCE_REFERENCE and _triton_available():
+            return "triton", None
+        return "torch-reference", "Triton is unavailable: every op runs on torch's reference"
+    kernels, why = cpu.availability()
+    if kernels is not None:
+        return "cpu-kernels", None
+    return "torch-reference", (
+        f"the CPU kernels are unavailable here ({why}): GGUF weights are dequantized to fp32 at "
+        f"load (4-8x the memory of their blocks) and every op runs on torch (decode several "
+        f"times slower)")
+
+
 def backend(t: torch.Tensor) -> str:
     """``"triton"``, ``"cpu"`` (the C kernels) or ``"reference"``: which implementation the ops
     run for tensors like ``t``."""
@@ -101,10 +131,10 @@ def backend(t: torch.Tensor) -> str:
     return "cpu" if _cpu(t) is not None else "reference"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
+def linear(x: torch.Tensor, weight: torch.Tensor | Packed,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``; x: [M, K]."""
-    if isinstance(weight, PackedWeight):
+    if isinstance(weight, (PackedWeight, PackedParts)):
         kernels = _cpu(x, *(() if bias is None else (bias,)))
         if kernels is None:
             raise ValueError(
@@ -150,7 +180,7 @@ def decode_attention(
     if _use_triton(q):
         return _triton_kernels()["decode_attention"].decode_attention(
             q, k_cache, v_cache, page_table, seq_lens, scale)
-    kernels = _cpu(k_cache, v_cache)
+    kernels = _cpu_kv(k_cache, v_cache)
     if (kernels is not None and _heads_contiguous(q)
             and _cpu_attention_shape(q.shape[1], k_cache.shape[2], q.shape[2])
             and page_table.dtype == seq_lens.dtype == torch.int64
@@ -221,7 +251,7 @@ def rotary_store(
     Returns the rotated ``(q, k)``. The C path rotates q and k in place (they are the caller's
     fresh projections; nothing else reads them), the others return new tensors.
     """
-    kernels = None if q.is_cuda else _cpu(cos_sin_cache, k_cache, v_cache)
+    kernels = None if q.is_cuda else _cpu(cos_sin_cache) and _cpu_kv(k_cache, v_cache)
     if (kernels is not None and _heads_contiguous(q) and _heads_contiguous(k)
             and _heads_contiguous(v) and positions.dtype == slot_mapping.dtype == torch.int64
             and positions.is_contiguous() and slot_mapping.is_contiguous()):
@@ -241,9 +271,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul(x)
 
 
-def decode_step(weights: DecoderWeights, page_size: int) -> DecodeStep | None:
+def decode_step(weights: DecoderWeights, page_size: int,
+                kv_dtype: torch.dtype = torch.float32) -> DecodeStep | None:
     """The model's whole decode step as one C call (:class:`kernels.cpu.DecodeStep`), or None
-    where it cannot run: no C kernels, or a tensor that is not contiguous fp32 on the CPU."""
+    where it cannot run: no C kernels, a tensor that is not contiguous fp32 on the CPU, or a KV
+    cache that is neither fp32 nor fp16."""
     tensors = [weights.final_norm, weights.cos_sin]
     if not isinstance(weights.embed, PackedWeight):
         tensors.append(weights.embed)
@@ -252,7 +284,7 @@ def decode_step(weights: DecoderWeights, page_size: int) -> DecodeStep | None:
                                 layer.qkv[1], layer.o[1], layer.gate_up[1], layer.down[1])
                     if t is not None]
     kernels = _cpu(*tensors)
-    if kernels is None or not _cpu_attention_shape(weights.num_heads, weights.num_kv_heads,
-                                                   weights.head_dim):
+    if (kernels is None or kv_dtype not in (torch.float32, torch.float16)
+            or not _cpu_attention_shape(weights.num_heads, weights.num_kv_heads, weights.head_dim)):
         return None
-    return kernels.decode_step(weights, page_size)
+    return kernels.decode_step(weights, page_size, kv_dtype)

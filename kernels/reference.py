@@ -25,8 +25,10 @@ def store_kv(
 ) -> None:
     """Write ``k``/``v`` ([T, Hkv, D]) into the flat slots ``slot_mapping`` ([T], int64)."""
     num_pages, page_size = k_cache.shape[:2]
-    k_cache.view(num_pages * page_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(num_pages * page_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    k_cache.view(num_pages * page_size, *k_cache.shape[2:]).index_copy_(
+        0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_pages * page_size, *v_cache.shape[2:]).index_copy_(
+        0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _gather_pages(cache: torch.Tensor, page_table: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -96,8 +98,9 @@ def _decode_attention_padded(
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     max_len = int(seq_lens.max())
-    k = _gather_pages(k_cache, page_table, max_len).transpose(1, 2)  # [B, Hkv, L, D]
-    v = _gather_pages(v_cache, page_table, max_len).transpose(1, 2)
+    # a cache in a narrower dtype (fp16 KV on the CPU) is widened to q's as it is read
+    k = _gather_pages(k_cache, page_table, max_len).to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+    v = _gather_pages(v_cache, page_table, max_len).to(q.dtype).transpose(1, 2)
     valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
     qg = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
@@ -131,8 +134,8 @@ def extend_attention(
         n = hi - lo
         if n == 0:
             continue
-        k = _gather_pages(k_cache, page_table[b : b + 1], seq_len)[0]  # [L, Hkv, D]
-        v = _gather_pages(v_cache, page_table[b : b + 1], seq_len)[0]
+        k = _gather_pages(k_cache, page_table[b : b + 1], seq_len)[0].to(q.dtype)  # [L, Hkv, D]
+        v = _gather_pages(v_cache, page_table[b : b + 1], seq_len)[0].to(q.dtype)
         qb = q[lo:hi].transpose(0, 1)  # [Hq, n, D]
         kb = k.transpose(0, 1)  # [Hkv, L, D]
         vb = v.transpose(0, 1)

@@ -65,11 +65,12 @@ CHAT_PROMPTS = [
 NEW_TOKENS = 16
 
 
-def run_greedy(model: Any, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True
-               ) -> list[list[int]]:
-    """Greedy tokens for every prompt, all in one engine (batched, chunked prefill)."""
+def run_greedy(model: Any, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True,
+               kv_cache_dtype: str = "float32") -> list[list[int]]:
+    """Greedy tokens for every prompt, all in one engine (batched, chunked prefill). The KV cache
+    is fp32 unless asked: these tests compare with an fp32 oracle, token for token."""
     engine = Engine(model, EngineConfig(page_size=16, num_pages=256, max_running=8,
-                                        max_batched_tokens=64))
+                                        max_batched_tokens=64, kv_cache_dtype=kv_cache_dtype))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     for i, prompt in enumerate(prompts):
         engine.add_request(i, prompt, params)

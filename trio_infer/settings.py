@@ -42,6 +42,11 @@ class Settings(BaseSettings):
     # -- engine -------------------------------------------------------------------------------
     page_size: int = Field(16, ge=1)
     kv_cache_mb: int = Field(256, ge=1, description="Memory budget for the KV page pool.")
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto",
+        description="Dtype of the KV cache: 'auto' is float16 on the CPU (as llama.cpp; half "
+        "the memory of float32, tolerance in docs/kernels.md) and the model's dtype on a GPU.",
+    )
     max_running: int = Field(32, ge=1, description="Sequences decoded together at most.")
     max_batched_tokens: int = Field(256, ge=1, description="Tokens per step (chunked prefill).")
     max_waiting: int = Field(
@@ -59,9 +64,9 @@ class Settings(BaseSettings):
     )
     keep_gguf_blocks: bool = Field(
         True,
-        description="GGUF weights in Q4_0, Q4_1 or Q8_0 stay in their blocks (4-8 bits a "
-        "weight, read by the CPU kernels with fp32 math) where those kernels run (CPU, float32); "
-        "false: dequantized to dtype at load, as every other GGUF type is.",
+        description="GGUF weights in F16, BF16, Q4_0 to Q8_0, Q4_K, Q5_K or Q6_K stay in their "
+        "blocks (4-16 bits a weight, read by the CPU kernels with fp32 math) where those kernels "
+        "run (CPU, float32); false: dequantized to dtype at load, as Q2_K, Q3_K and IQ4 are.",
     )
     int16_activations: bool = Field(
         False,

@@ -15,6 +15,8 @@ from trio_infer.models.fake import FakeModel, logprob
 from trio_infer.models.loader import load_model
 
 K = 3
+# Compared with an fp32 oracle to 1e-4: the KV cache stays fp32 (fp16 KV has its own tolerance test).
+EXACT_KV = "float32"
 WANT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=K)
 PLAIN = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -63,7 +65,7 @@ def check(entries, ids: list[int], want: torch.Tensor, k: int = K) -> None:
 def test_prompt_logprobs_match_transformers(model, hf, max_batched_tokens: int) -> None:
     ids = prompt(41, seed=5)
     want = oracle(hf, ids)
-    engine = Engine(model, EngineConfig(page_size=4, num_pages=64, max_running=4,
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=64, max_running=4, kv_cache_dtype=EXACT_KV,
                                         max_batched_tokens=max_batched_tokens))
     engine.add_request("lp", ids, WANT)
     engine.add_request("plain", prompt(30, seed=6), PLAIN)  # shares the steps, asks for none
@@ -80,7 +82,7 @@ def test_prompt_logprobs_match_transformers(model, hf, max_batched_tokens: int) 
 def test_a_prefix_cache_hit_does_not_skip_prompt_logprobs(model, hf) -> None:
     ids = prompt(37, seed=7)
     want = oracle(hf, ids)
-    engine = Engine(model, EngineConfig(page_size=4, num_pages=64, max_running=4, max_batched_tokens=16))
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=64, max_running=4, kv_cache_dtype=EXACT_KV, max_batched_tokens=16))
     engine.add_request("warm", ids, PLAIN)  # fills the prefix cache with the prompt's pages
     plain_tokens = [t for o in drain(engine)["warm"] for t in o.token_ids]
     hits = engine.scheduler.prefix_hits
@@ -97,7 +99,7 @@ def test_a_prefix_cache_hit_does_not_skip_prompt_logprobs(model, hf) -> None:
 def test_max_tokens_zero_prefills_and_samples_nothing(model, hf) -> None:
     ids = prompt(23, seed=8)
     want = oracle(hf, ids)
-    engine = Engine(model, EngineConfig(page_size=4, num_pages=64, max_running=4, max_batched_tokens=8))
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=64, max_running=4, kv_cache_dtype=EXACT_KV, max_batched_tokens=8))
     engine.add_request("zero", ids, SamplingParams(max_tokens=0, prompt_logprobs=0))
     engine.add_request("bare", ids, SamplingParams(max_tokens=0))
     outs = drain(engine)

@@ -1,8 +1,10 @@
 """The C kernels of the CPU path against the torch references (and gguf's own dequantizer).
 
 Every kernel computes in fp32 like its reference, so they agree to float rounding; the linear
-kernel is checked on both of its code paths (a few rows: weights unpacked in registers; more:
-dequantized tiles) and across its 64-row passes.
+kernel is checked for every weight format it reads in place, on both of its code paths (a few
+rows: weights unpacked in registers; more: dequantized tiles) and across its 64-row passes.
+Weights are random blocks (every byte pattern is a valid block once its fp16 scales are finite),
+so the K-quants are covered without a quantizer (gguf-py has none for them).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from kernels import cpu, ops, reference
-from kernels.cpu import PackedWeight
+from kernels.cpu import FORMATS, PackedParts, PackedWeight
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="the CPU kernels do not build here")
 
@@ -23,9 +25,81 @@ def pack(w: torch.Tensor, fmt: str) -> tuple[PackedWeight, torch.Tensor]:
     """``w`` quantized to ``fmt`` by gguf, and the fp32 values those blocks stand for."""
     qtype = getattr(GGMLQuantizationType, fmt)
     blocks = np.ascontiguousarray(quantize(w.numpy(), qtype))
-    packed = PackedWeight.from_blocks(
-        fmt, torch.from_numpy(blocks).view(torch.uint8).reshape(w.shape[0], -1), w.shape[1])
+    packed = PackedWeight.from_blocks(fmt, blocks.view(np.uint8).reshape(w.shape[0], -1), w.shape[1])
     return packed, torch.from_numpy(dequantize(blocks, qtype)).reshape(w.shape)
+
+
+# Where each format keeps its fp16 scales (d, and Q4_1/Q5_1's m or the K-quants' dmin) in a
+# block as ggml stores it: random bytes there could be NaN or huge, so they are set to sane values.
+SCALES_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+             "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def random_blocks(fmt: str, n: int, k: int, g: torch.Generator) -> np.ndarray:
+    """[n, native row bytes] of random valid ``fmt`` blocks (16-bit formats: random weights)."""
+    if fmt in ("F16", "BF16"):
+        w = torch.randn(n, k, generator=g) * 0.05
+        return (w.half() if fmt == "F16" else w.bfloat16()).view(torch.uint8).numpy()
+    per = 256 if fmt in KQUANTS else 32
+    nbytes = cpu.require().native_row_bytes(fmt, k) // (k // per)
+    b = torch.randint(0, 256, (n, k // per, nbytes), generator=g, dtype=torch.uint8).numpy()
+    for at in SCALES_AT[fmt]:
+        d = (torch.rand(n, k // per, generator=g) * 0.02 + 0.001).half().numpy()
+        b[:, :, at:at + 2] = d.view(np.uint8).reshape(n, k // per, 2)
+    return b.reshape(n, -1)
+
+
+def packed_random(fmt: str, n: int, k: int, g: torch.Generator
+                  ) -> tuple[PackedWeight, torch.Tensor]:
+    """Random ``fmt`` blocks packed, and the fp32 values gguf's dequantizer says they stand for."""
+    blocks = random_blocks(fmt, n, k, g)
+    dense = dequantize(blocks, getattr(GGMLQuantizationType, fmt)).astype(np.float32)
+    return PackedWeight.from_blocks(fmt, blocks, k), torch.from_numpy(dense).reshape(n, k)
+
+
+def widths(fmt: str) -> list[int]:
+    """3 and 18 blocks of 32 (a part of a group of 8, and more), or 1 and 3 super-blocks."""
+    return [256, 768] if fmt in KQUANTS else [96, 576]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_packing_keeps_every_value(fmt: str) -> None:
+    """tri_pack rearranges ggml's blocks without losing a bit: unpacked rows are gguf's values."""
+    g = torch.Generator().manual_seed(FORMATS[fmt])
+    for k in widths(fmt):
+        packed, dense = packed_random(fmt, 9, k, g)
+        assert packed.nbytes <= 1.03 * 9 * cpu.require().native_row_bytes(fmt, k)
+        rows = torch.tensor([8, 0, 3, 3])
+        assert torch.equal(ops.embedding(rows, packed), dense[rows])
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("rows", [1, 2, 5, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_format_matches_a_float64_product(fmt: str, rows: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows * 100 + FORMATS[fmt])
+    for k in widths(fmt):
+        packed, dense = packed_random(fmt, 70, k, g)  # 70 rows: a last tile of 2 weight rows
+        x = torch.randn(rows, k, generator=g)
+        b = torch.randn(70, generator=g) if bias else None
+        got = ops.linear(x, packed, b)
+        want = x.double() @ dense.double().T + (b.double() if b is not None else 0)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_parts_in_different_formats_are_one_product(rows: int) -> None:
+    """Q4_K_M's q and k in Q4_K with v in Q6_K: one call, each part's rows in its own format."""
+    g = torch.Generator().manual_seed(rows)
+    parts = [packed_random(fmt, n, 512, g) for fmt, n in (("Q4_K", 40), ("Q4_K", 8), ("Q6_K", 8))]
+    fused = PackedParts(tuple(p for p, _ in parts))
+    assert (fused.fmt, fused.out_features, fused.in_features) == ("Q4_K+Q4_K+Q6_K", 56, 512)
+    dense = torch.cat([d for _, d in parts])
+    x, b = torch.randn(rows, 512, generator=g), torch.randn(56, generator=g)
+    want = x.double() @ dense.double().T + b.double()
+    torch.testing.assert_close(ops.linear(x, fused, b).double(), want, rtol=1e-5,
+                               atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
@@ -33,6 +107,7 @@ def pack(w: torch.Tensor, fmt: str) -> tuple[PackedWeight, torch.Tensor]:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("k", [96, 576])  # 3 and 18 blocks: a part of a group of 8, and more
 def test_linear_matches_dequantized_matmul(fmt: str, rows: int, bias: bool, k: int) -> None:
+    """Blocks from gguf's own quantizer (of a weight), as a GGUF file holds them."""
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(70, k, generator=g) * 0.05  # 70 rows: a last tile of 2 weight rows
     packed, dense = pack(w, fmt)
@@ -67,6 +142,39 @@ def test_linear_refuses_what_it_cannot_run() -> None:
         ops.linear(torch.randn(2, 32, dtype=torch.float64), packed)
     with pytest.raises(ValueError, match="cannot pack"):
         PackedWeight.empty("Q4_1", 8, 33)
+    with pytest.raises(ValueError, match="cannot pack"):
+        PackedWeight.empty("Q4_K", 8, 96)  # K-quants come in super-blocks of 256
+    with pytest.raises(ValueError, match="cannot pack"):
+        PackedWeight.empty("Q3_K", 8, 256)  # dequantized at load, never packed
+    with pytest.raises(ValueError, match="blocks of shape"):
+        PackedWeight.from_blocks("Q4_K", np.zeros((2, 100), dtype=np.uint8), 256)
+
+
+def test_the_library_abi_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library whose structs or version differ from kernels/cpu.py's mirrors is refused."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(cpu.build()))
+    cpu.CpuKernels(lib)
+    monkeypatch.setattr(cpu, "ABI_VERSION", cpu.ABI_VERSION + 1)
+    with pytest.raises(cpu.BuildError, match="does not match"):
+        cpu.CpuKernels(lib)
+
+
+def test_a_failed_build_is_said_not_hidden(tmp_path) -> None:
+    """Without a working compiler the kernels are unavailable, and the reason says why."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CC="/bin/false", TRIO_INFER_CACHE_DIR=str(tmp_path))
+    code = ("from kernels import cpu, ops; print(cpu.load() is None); "
+            "print(ops.compute_path('cpu'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out[0] == "True"
+    assert "torch-reference" in out[1] and "/bin/false failed" in out[1]
+    assert "dequantized to fp32" in out[1]
 
 
 def test_embedding_of_packed_rows() -> None:
@@ -144,3 +252,40 @@ def test_build_is_cached(tmp_path) -> None:
     mtime = first.stat().st_mtime_ns
     assert cpu.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 24)])
+def test_an_fp16_cache_stores_rounded_values_and_attends_over_them(hq: int, hkv: int, d: int) -> None:
+    """fp16 KV (the CPU default): the C kernels store k and v rounded as torch's cast rounds them
+    and read them back widened; attention equals the reference over the same fp16 cache."""
+    g = torch.Generator().manual_seed(d)
+    t, page_size, num_pages = 5, 4, 6
+    q = torch.randn(t, hq, d, generator=g)
+    k, v = torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    cos_sin = torch.randn(64, d, generator=g)
+    positions, slots = torch.tensor([0, 3, 9, 10, 31]), torch.tensor([5, 0, 23, 12, 7])
+    caches = [torch.zeros(num_pages, page_size, hkv, d, dtype=torch.float16) for _ in range(2)]
+    want_q, want_k = reference.rotary_embedding(q.clone(), k.clone(), positions, cos_sin)
+    got_q, got_k = ops.rotary_store(q, k, v, positions, cos_sin, *caches, slots)
+    torch.testing.assert_close(got_k, want_k)
+    flat_k, flat_v = (c.view(-1, hkv, d) for c in caches)
+    assert torch.equal(flat_k[slots], want_k.half()) and torch.equal(flat_v[slots], v.half())
+
+    full = [torch.randn(num_pages, page_size, hkv, d, generator=g).half() for _ in range(2)]
+    table, lens = torch.tensor([[2, 0, 5], [4, 1, 3]]), torch.tensor([11, 3])
+    qd = torch.randn(2, hq, d, generator=g)
+    got = ops.decode_attention(qd, *full, table, lens, d**-0.5)
+    want = reference.decode_attention(qd, *full, table, lens, d**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_refuses_a_context_past_its_bounds() -> None:
+    """The C kernel reads as many keys as a context length says: one past max_len or past the
+    page table is refused, not read out of bounds."""
+    k_cache, v_cache = _paged(4, 4, 2, 8, torch.Generator().manual_seed(0))
+    q = torch.randn(1, 2, 8)
+    table = torch.tensor([[0, 1]])
+    with pytest.raises(ValueError, match="context length"):
+        ops.decode_attention(q, k_cache, v_cache, table, torch.tensor([9]), 1.0)  # 2 pages: 8
+    with pytest.raises(ValueError, match="context length"):
+        ops.decode_attention(q, k_cache, v_cache, table, torch.tensor([5]), 1.0, max_seq_len=4)

@@ -143,7 +143,17 @@ def status_body(state: ServerState) -> dict[str, Any]:
             "generated": count("generation_tokens_total"),
         },
         "tasks": live_tasks(),
+        "compute": compute_body(state),
     }
+
+
+def compute_body(state: ServerState) -> dict[str, Any] | None:
+    """Which kernels serve, why a slower path stands in (None when none does), the KV dtype."""
+    info = state.engine.info if state.engine is not None else None
+    if info is None:
+        return None
+    return {"kernels": info.kernels, "problem": info.kernels_problem,
+            "kv_cache_dtype": info.kv_cache_dtype}
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -28,7 +28,7 @@ import torch
 
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.grammar import Grammars, TokenMasks
-from trio_infer.engine.kv_cache import KVCache, PagePool
+from trio_infer.engine.kv_cache import KVCache, PagePool, resolve_kv_dtype
 from trio_infer.engine.model_runner import ModelRunner, PromptRows
 from trio_infer.engine.params import SamplingParams
 from trio_infer.engine.prefix_cache import PrefixCache
@@ -48,6 +48,10 @@ class EngineConfig:
     max_running: int = 64
     max_batched_tokens: int = 512
     enable_prefix_cache: bool = True
+    # "auto": fp16 for an fp32 model on the CPU (llama.cpp's default: half the memory and
+    # bandwidth of fp32, with the tolerance docs/kernels.md measures), the model's dtype
+    # otherwise; or "float32", "float16", "bfloat16" (see kv_cache.resolve_kv_dtype).
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -104,11 +108,12 @@ class Engine:
         self.model = model
         self.config = config
         self.device = torch.device(device)
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, info.dtype, self.device)
         num_pages = config.num_pages or max(
             1,
             config.kv_cache_bytes
             // KVCache.bytes_per_page(
-                info.num_layers, config.page_size, info.num_kv_heads, info.head_dim, info.dtype
+                info.num_layers, config.page_size, info.num_kv_heads, info.head_dim, kv_dtype
             ),
         )
         self.kv_cache = KVCache(
@@ -117,7 +122,7 @@ class Engine:
             config.page_size,
             info.num_kv_heads,
             info.head_dim,
-            info.dtype,
+            kv_dtype,
             self.device,
         )
         self.pool = PagePool(num_pages)

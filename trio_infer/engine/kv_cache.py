@@ -93,3 +93,18 @@ class KVCache:
     ) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize
+
+
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The KV cache's dtype for the setting ``name``: "auto" is fp16 for an fp32 model on the CPU
+    (as llama.cpp: half the memory and the bandwidth of fp32 at decode, widened to fp32 as it is
+    read) and the model's dtype otherwise; else the named dtype."""
+    if name == "auto":
+        cpu = torch.device(device).type == "cpu"
+        return torch.float16 if cpu and model_dtype == torch.float32 else model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r}: expected auto, {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]

@@ -13,8 +13,11 @@ quantized. This module turns one into what :mod:`trio_infer.models.loader` needs
 - the tokenizer through transformers' own GGUF conversion.
 
 Supported: the ``llama``, ``qwen2`` and ``qwen3`` architectures, tensor types F32, F16, BF16,
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K..Q6_K. Anything else is refused before a single
-tensor is read, with an error that names it.
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K..Q6_K, IQ4_NL and IQ4_XS. Anything else is refused
+before a single tensor is read, with an error that names it. Weights the CPU kernels read in place
+(:data:`kernels.cpu.FORMATS`) are read from the file with plain reads, one tensor at a time, and
+packed (:meth:`~kernels.cpu.PackedWeight.from_blocks`): the file is never mapped in whole, so its
+pages do not add to the process's resident memory.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kernels.cpu import BLOCK_BYTES, BLOCK_SIZE, PackedWeight
+from kernels.cpu import PackedWeight
 
 # GGUF ``general.architecture`` -> the Hugging Face architecture our model implements.
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -43,6 +46,7 @@ SUPPORTED_TENSOR_TYPES: tuple[str, ...] = (
     "F32", "F16", "BF16",
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ4_NL", "IQ4_XS",
 )
 
 # llama.cpp per-layer tensor name -> Hugging Face module path inside ``model.layers.N``.
@@ -185,6 +189,11 @@ class GGUFCheckpoint:
         return {gguf_tensor_name(t.name): t.tensor_type.name
                 for t in self._reader.tensors if t.name != ROPE_FREQS_TENSOR}
 
+    def tensor_info(self) -> dict[str, tuple[str, int]]:
+        """Hugging Face weight name -> (GGUF type name, number of elements)."""
+        return {gguf_tensor_name(t.name): (t.tensor_type.name, int(t.n_elements))
+                for t in self._reader.tensors if t.name != ROPE_FREQS_TENSOR}
+
     def iter_weights(
         self, desc: str, keep: Container[str] = ()
     ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
@@ -203,7 +212,7 @@ class GGUFCheckpoint:
                 name = gguf_tensor_name(tensor.name)
                 weight: torch.Tensor | PackedWeight
                 if name in keep:
-                    weight = _blocks(tensor)
+                    weight = _blocks(self.path, tensor)
                 else:
                     weight = _dequantize(tensor)
                 heads = 0
@@ -211,7 +220,7 @@ class GGUFCheckpoint:
                     heads = num_heads
                 elif permute and ".self_attn.k_proj." in name:
                     heads = num_kv_heads
-                if heads and isinstance(weight, PackedWeight):  # the rows of blocks move
+                if heads and isinstance(weight, PackedWeight):  # the packed rows move
                     weight = PackedWeight(weight.fmt, unpermute_qk(weight.data, heads).contiguous(),
                                           weight.in_features)
                 elif heads:
@@ -336,15 +345,22 @@ def _eos_token_ids(fields: dict[str, Any]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def _blocks(tensor: Any) -> PackedWeight:
-    """One GGUF tensor's blocks, a row of blocks per output feature, in the kernels' row layout
-    (:meth:`PackedWeight.from_blocks`)."""
+def _blocks(path: Path, tensor: Any) -> PackedWeight:
+    """One GGUF tensor packed for the kernels (:meth:`PackedWeight.from_blocks`), its blocks read
+    from the file into a buffer of its own (freed once packed), not through the memory map."""
     fmt = tensor.tensor_type.name
     rows, cols = (int(d) for d in reversed(tensor.shape.tolist()))
-    data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True)).reshape(rows, -1)
-    if data.shape[1] != cols // BLOCK_SIZE * BLOCK_BYTES[fmt]:
-        raise GGUFError(f"{tensor.name}: {fmt} rows of {data.shape[1]} bytes for {cols} columns")
-    return PackedWeight.from_blocks(fmt, data, cols)
+    raw = np.empty(int(tensor.n_bytes), dtype=np.uint8)
+    with open(path, "rb") as f:
+        f.seek(int(tensor.data_offset))
+        if f.readinto(memoryview(raw)) != raw.size:
+            raise GGUFError(f"{path}: {tensor.name} ends past the end of the file")
+    if raw.size % rows:
+        raise GGUFError(f"{tensor.name}: {raw.size} bytes of {fmt} for {rows} rows")
+    try:
+        return PackedWeight.from_blocks(fmt, raw.reshape(rows, -1), cols)
+    except ValueError as exc:
+        raise GGUFError(f"{tensor.name}: {exc}") from exc
 
 
 def _dequantize(tensor: Any) -> torch.Tensor:

@@ -23,7 +23,6 @@ kernels, 4 or 8 bits a weight instead of 32, with the same fp32 math.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,14 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.cpu import DecoderLayerWeights, DecoderWeights, DecodeStep, PackedWeight
+from kernels.cpu import (
+    DecoderLayerWeights,
+    DecoderWeights,
+    DecodeStep,
+    Packed,
+    PackedParts,
+    PackedWeight,
+)
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.models.attention import paged_attention
 from trio_infer.models.base import ModelInfo
@@ -186,8 +192,9 @@ class Linear(nn.Module):
     ``output_sizes`` lists the parts of a fused weight (e.g. q, k, v); :meth:`load_part` writes one
     of them. Nothing else is assumed, so a tensor-parallel version only has to slice rows (column
     parallel) or columns (row parallel) of each part and add a collective after ``forward``.
-    With ``fmt`` the weight is kept packed in that GGUF block format (``self.packed``) and
-    ``self.weight`` does not exist.
+    With ``fmt`` the weight is kept packed in that GGUF format (``self.packed``) and
+    ``self.weight`` does not exist; a tuple of formats, one per part, keeps each part in its own
+    (a :class:`~kernels.cpu.PackedParts`: q and k in Q4_K, v in Q6_K).
     """
 
     def __init__(
@@ -197,15 +204,20 @@ class Linear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
-        fmt: str | None = None,
+        fmt: str | tuple[str, ...] | None = None,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.output_sizes = tuple(output_sizes)
         out_features = sum(self.output_sizes)
-        self.packed: PackedWeight | None = None
+        self.packed: Packed | None = None
         if fmt is None:
             self.weight = _param((out_features, in_features), dtype, device)
+        elif isinstance(fmt, tuple):
+            if len(fmt) != len(self.output_sizes):
+                raise ValueError(f"{len(fmt)} formats for {len(self.output_sizes)} parts")
+            self.packed = PackedParts(tuple(
+                PackedWeight.empty(f, size, in_features) for f, size in zip(fmt, self.output_sizes)))
         else:
             self.packed = PackedWeight.empty(fmt, out_features, in_features)
         self.bias = _param((out_features,), dtype, device) if bias else None
@@ -215,6 +227,9 @@ class Linear(nn.Module):
 
     def load_part(self, attr: str, part: int, tensor: torch.Tensor | PackedWeight) -> None:
         """Copy one projection of a fused weight (or bias) into its rows."""
+        if attr == "weight" and isinstance(self.packed, PackedParts):
+            _copy_packed(self.packed.parts[part], tensor, f"weight part {part}")
+            return
         target: torch.Tensor = _load_target(self, attr, tensor)
         if isinstance(tensor, PackedWeight):
             tensor = tensor.data
@@ -226,6 +241,16 @@ class Linear(nn.Module):
                 f"expected {tuple(rows.shape)}"
             )
         rows.copy_(tensor)
+
+
+def _copy_packed(target: PackedWeight, tensor: torch.Tensor | PackedWeight, what: str) -> None:
+    if not isinstance(tensor, PackedWeight) or tensor.fmt != target.fmt:
+        got = tensor.fmt if isinstance(tensor, PackedWeight) else str(tensor.dtype)
+        raise ValueError(f"{what} packed as {target.fmt}, checkpoint gives {got}")
+    if tuple(tensor.data.shape) != tuple(target.data.shape):
+        raise ValueError(f"{what}: checkpoint blocks {tuple(tensor.data.shape)}, "
+                         f"expected {tuple(target.data.shape)}")
+    target.data.copy_(tensor.data)
 
 
 def _load_target(module: nn.Module, attr: str, tensor: torch.Tensor | PackedWeight) -> torch.Tensor:
@@ -259,7 +284,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(
         self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device,
-        formats: tuple[str | None, str | None] = (None, None),
+        formats: tuple[Any, Any] = (None, None),  # see Linear's fmt
     ) -> None:
         super().__init__()
         self.num_heads = spec.num_heads
@@ -304,7 +329,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(
         self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device,
-        formats: tuple[str | None, str | None] = (None, None),
+        formats: tuple[Any, Any] = (None, None),  # see Linear's fmt
     ) -> None:
         super().__init__()
         size = spec.intermediate_size
@@ -320,11 +345,11 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(
         self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device,
-        packed: Mapping[str, str], prefix: str,
+        packed: Mapping[str, str | tuple[str, ...]], prefix: str,
     ) -> None:
         super().__init__()
 
-        def fmt(name: str) -> str | None:
+        def fmt(name: str) -> str | tuple[str, ...] | None:
             return packed.get(f"{prefix}.{name}")
 
         self.self_attn = Attention(
@@ -363,7 +388,7 @@ class LlamaModel(nn.Module):
 
     def __init__(
         self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device,
-        packed: Mapping[str, str],
+        packed: Mapping[str, str | tuple[str, ...]],
     ) -> None:
         super().__init__()
         self.embed_tokens = _table(spec, dtype, device, packed.get("model.embed_tokens"))
@@ -374,7 +399,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
 
 
-def _table(spec: LlamaSpec, dtype: torch.dtype, device: torch.device, fmt: str | None) -> nn.Module:
+def _table(spec: LlamaSpec, dtype: torch.dtype, device: torch.device, fmt: Any) -> nn.Module:
     """A [vocab, hidden] table (the embedding, the lm_head): a parameter or packed blocks."""
     table = nn.Module()
     table.packed = None
@@ -404,7 +429,7 @@ class LlamaForCausalLM(nn.Module):
         info: ModelInfo,
         cos_sin_cache: torch.Tensor,
         device: torch.device,
-        packed: Mapping[str, str] | None = None,
+        packed: Mapping[str, str | tuple[str, ...]] | None = None,
         int16_activations: bool = False,
     ) -> None:
         super().__init__()
@@ -423,14 +448,14 @@ class LlamaForCausalLM(nn.Module):
         if int16_activations:
             for module in self.modules():
                 if getattr(module, "packed", None) is not None:
-                    module.packed = dataclasses.replace(module.packed, int16_activations=True)
+                    module.packed = module.packed.with_int16_activations()
             if spec.tie_word_embeddings and self.lm_head.packed is not None:
                 self.lm_head.packed = self.model.embed_tokens.packed
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
         # Pure decode steps on the CPU kernels run as one C call (kernels.ops.decode_step),
         # built on first use per page size; False turns it off (tests compare both paths).
         self.fused_decode = True
-        self._decode_steps: dict[int, DecodeStep | None] = {}
+        self._decode_steps: dict[tuple[int, torch.dtype], DecodeStep | None] = {}
 
     @torch.inference_mode()
     def forward(
@@ -472,14 +497,14 @@ class LlamaForCausalLM(nn.Module):
                 and batch.logits_indices.shape[0] == batch.num_tokens
                 and batch.max_seq_len is not None
                 and batch.page_table.dtype == torch.int64 and batch.page_table.stride(1) == 1
-                and k_cache.dtype == torch.float32 and k_cache.is_contiguous()):
+                and k_cache.is_contiguous()):
             return None
-        page_size = int(k_cache.shape[1])
-        if self._decode_steps.get(page_size, False) is False:
+        key = (int(k_cache.shape[1]), k_cache.dtype)
+        if self._decode_steps.get(key, False) is False:
             weights = self._decoder_weights()
-            self._decode_steps[page_size] = (
-                None if weights is None else ops.decode_step(weights, page_size))
-        return self._decode_steps[page_size]
+            self._decode_steps[key] = (
+                None if weights is None else ops.decode_step(weights, *key))
+        return self._decode_steps[key]
 
     def _decoder_weights(self) -> DecoderWeights | None:
         """The model for the one-call decode step; None unless every linear is in blocks."""

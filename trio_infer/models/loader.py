@@ -11,6 +11,7 @@ model must have been fetched by ``make venv`` (see :mod:`trio_infer.models.defau
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -34,6 +35,8 @@ from trio_infer.models.llama import (
     LlamaSpec,
     build_cos_sin_cache,
 )
+
+log = logging.getLogger(__name__)
 
 
 def resolve_model_path(name_or_path: str | None, cache_dir: Path) -> Path:
@@ -91,9 +94,10 @@ def load_model(
 
     ``path`` is a Hugging Face folder or a GGUF file (or a folder holding one; see
     :func:`~trio_infer.models.gguf_loader.find_gguf`). GGUF weights in a block format the CPU
-    kernels read (Q4_0, Q4_1, Q8_0) stay in it when ``keep_blocks`` is true, or is None and
-    :func:`packing_possible` says they can run here; every other GGUF weight is dequantized to
-    ``dtype``. ``int16_activations`` makes kept blocks take the int16-activation kernels at decode
+    kernels read (:data:`kernels.cpu.FORMATS`: F16, BF16, Q4_0 to Q8_0, Q4_K, Q5_K, Q6_K) stay in
+    it when ``keep_blocks`` is true, or is None and :func:`packing_possible` says they can run
+    here; every other GGUF weight is dequantized to ``dtype`` (with a warning naming the type and
+    the memory it takes, when it is a linear weight that a block format would have kept small). ``int16_activations`` makes kept blocks take the int16-activation kernels at decode
     (see :class:`~kernels.cpu.PackedWeight`).
     ``dtype`` defaults to :func:`default_dtype`. The served name is ``served_name``, else the
     folder's ``served_name`` file, else the hub id for a folder inside the Hugging Face cache, else
@@ -126,7 +130,7 @@ def load_model(
         eos_ids = eos_token_ids(path, config)
         weights = partial(_iter_safetensors, path)
     spec = LlamaSpec.from_config(config, architecture)
-    packed: dict[str, str] = {}
+    packed: dict[str, str | tuple[str, ...]] = {}
     if gguf_file is not None:
         if keep_blocks:
             packed = packed_modules(checkpoint.tensor_formats(), spec.tie_word_embeddings)
@@ -135,6 +139,8 @@ def load_model(
             parent, _, leaf = module.rpartition(".")
             parts = _FUSED_FROM.get(leaf)
             kept |= {f"{parent}.{p}.weight" for p in parts} if parts else {f"{module}.weight"}
+        if keep_blocks:
+            _warn_widened(checkpoint, kept)
         weights = partial(checkpoint.iter_weights, keep=kept)
     info = ModelInfo(
         name=served_name or default_served_name(path),
@@ -162,6 +168,18 @@ _FUSED_FROM = {
 }
 
 
+def _warn_widened(checkpoint: GGUFCheckpoint, kept: set[str]) -> None:
+    """One warning per quantized type that is dequantized instead of read in place (Q2_K, Q3_K,
+    the IQ types; or a fused projection the kernels cannot keep), with what it costs."""
+    widened: dict[str, int] = {}
+    for name, (kind, elements) in checkpoint.tensor_info().items():
+        if name.endswith(".weight") and name not in kept and kind not in ("F32", "F16", "BF16"):
+            widened[kind] = widened.get(kind, 0) + elements
+    for kind, elements in sorted(widened.items()):
+        log.warning("%s weights (%d of them, %.0f MB as fp32) are dequantized at load: the CPU "
+                    "kernels do not read %s in place", kind, elements, elements * 4 / 1e6, kind)
+
+
 def packing_possible(device: str | torch.device, dtype: torch.dtype) -> bool:
     """True where packed GGUF blocks can be served: CPU, fp32 activations, C kernels built."""
     from kernels import cpu
@@ -169,26 +187,32 @@ def packing_possible(device: str | torch.device, dtype: torch.dtype) -> bool:
     return torch.device(device).type == "cpu" and dtype == torch.float32 and cpu.load() is not None
 
 
-def packed_modules(formats: dict[str, str], tied: bool) -> dict[str, str]:
-    """Module name -> block format, for each linear layer (and the embedding, the lm_head) whose
-    checkpoint weights are all in one format the CPU kernels read. ``formats``: weight name ->
-    GGUF type, as :meth:`GGUFCheckpoint.tensor_formats` gives it."""
+def packed_modules(formats: dict[str, str], tied: bool) -> dict[str, str | tuple[str, ...]]:
+    """Module name -> format, for each linear layer (and the embedding, the lm_head) whose
+    checkpoint weights are all in formats the CPU kernels read: one format, or for a fused
+    projection whose parts differ (Q4_K_M's q/k in Q4_K, v in Q6_K), one per part. ``formats``:
+    weight name -> GGUF type, as :meth:`GGUFCheckpoint.tensor_formats` gives it."""
     from kernels.cpu import FORMATS
 
-    out: dict[str, str] = {}
-    modules: dict[str, list[str]] = {}
+    out: dict[str, str | tuple[str, ...]] = {}
+    modules: dict[str, dict[str, str]] = {}
     for name in formats:
         if not name.endswith(".weight"):
             continue
         module = name.removesuffix(".weight")
         parent, _, proj = module.rpartition(".")
         fused = next((f for f, parts in _FUSED_FROM.items() if proj in parts), None)
-        modules.setdefault(f"{parent}.{fused}" if fused else module, []).append(formats[name])
+        modules.setdefault(f"{parent}.{fused}" if fused else module, {})[proj] = formats[name]
     for module, kinds in modules.items():
         leaf = module.rpartition(".")[2]
-        if leaf.endswith("_proj") or module in ("model.embed_tokens", "lm_head"):
-            if len(set(kinds)) == 1 and kinds[0] in FORMATS:
-                out[module] = kinds[0]
+        if not (leaf.endswith("_proj") or module in ("model.embed_tokens", "lm_head")):
+            continue
+        if not all(kind in FORMATS for kind in kinds.values()):
+            continue
+        if len(set(kinds.values())) == 1:
+            out[module] = next(iter(kinds.values()))
+        elif leaf in _FUSED_FROM and set(kinds) == set(_FUSED_FROM[leaf]):
+            out[module] = tuple(kinds[part] for part in _FUSED_FROM[leaf])
     if tied:
         out.pop("lm_head", None)
     return out

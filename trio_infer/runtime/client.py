@@ -330,8 +330,12 @@ class AsyncEngine:
                 self.metrics.kv_pages_total.set(delivery.hello.num_pages)
                 self.connection = connection
                 self.healthy = True
-                log.info("batching worker ready: %s, context %d tokens, %d KV pages",
-                         delivery.hello.name, delivery.hello.max_model_len, delivery.hello.num_pages)
+                hello = delivery.hello
+                log.info("batching worker ready: %s, context %d tokens, %d KV pages (%s), %s",
+                         hello.name, hello.max_model_len, hello.num_pages, hello.kv_cache_dtype,
+                         hello.kernels)
+                if hello.kernels_problem:
+                    log.warning("slow path: %s", hello.kernels_problem)
                 return
 
     async def _serve(self, connection: Connection) -> None:

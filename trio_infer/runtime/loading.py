@@ -55,6 +55,7 @@ def build_engine(settings: Settings) -> Engine:
         kv_cache_bytes=settings.kv_cache_mb * 2**20,
         max_running=settings.max_running,
         max_batched_tokens=settings.max_batched_tokens,
+        kv_cache_dtype=settings.kv_cache_dtype,
     )
     if settings.model == FAKE_MODEL:
         from trio_infer.models.fake import FakeModel

@@ -72,6 +72,9 @@ class Hello(msgspec.Struct, tag="hello", array_like=True):
     num_pages: int
     id_offset: int = 0  # this front end numbers its requests id_offset + k * id_stride, k >= 1
     id_stride: int = 1
+    kernels: str = ""  # the compute path: "cpu-kernels", "triton" or "torch-reference"
+    kernels_problem: str | None = None  # why a slower path serves, and what it costs
+    kv_cache_dtype: str = ""  # "float16", "float32", ...
 
 
 class Output(msgspec.Struct, array_like=True):

@@ -70,10 +70,14 @@ class WorkerCore:
         self._sent_stats: dict[int, Stats] = {}
 
     def hello(self, port: int = 0) -> bytes:
+        from kernels.ops import compute_path
+
         e = self.engine
         info = e.model.info
+        kernels, problem = compute_path(e.device)
+        kv_dtype = str(e.kv_cache.k[0].dtype).removeprefix("torch.") if e.kv_cache.k else ""
         return encode([Hello(info.name, info.vocab_size, e.max_model_len, e.pool.num_pages,
-                             port, self.num_ports)])
+                             port, self.num_ports, kernels, problem, kv_dtype)])
 
     def receive_data(self, data: bytes, port: int = 0) -> None:
         for message in self._decoders[port].feed(data):
