@@ -18,18 +18,20 @@
  * half block for Q6_K, whose offset is folded into its codes). For a row of nb blocks:
  *   Q4_0 (2):  nb * 16 nibbles |                  | nb fp16 d                  w = (q - 8) d
  *   Q4_1 (3):  nb * 16 nibbles |                  | nb fp16 d | nb fp16 m      w = q d + m
- *   Q5_0 (6):  nb * 16 nibbles | nb * 4 bit 4     | nb fp16 d                  w = (q - 16) d
- *   Q5_1 (7):  nb * 16 nibbles | nb * 4 bit 4     | nb fp16 d | nb fp16 m      w = q d + m
+ *   Q5_0 (6):  nb * 16 nibbles | nb * 4 (bit 4)   | nb fp16 d                  w = (q - 16) d
+ *   Q5_1 (7):  nb * 16 nibbles | nb * 4 (bit 4)   | nb fp16 d | nb fp16 m      w = q d + m
  *   Q8_0 (8):  nb * 32 int8    |                  | nb fp16 d                  w = q d
  *   Q4_K (12): nb * 16 nibbles |                  | per 8 blocks (a super-block of 256):
  *              fp16 d, fp16 dmin, 8 uint8 scales sc, 8 uint8 minimums mn     w = q d sc - dmin mn
- *   Q5_K (13): nb * 16 nibbles | nb * 4 bit 4     | as Q4_K
- *   Q6_K (14): nb * 16 nibbles | nb * 8 bits 4, 5 | per 8 blocks: fp16 d, 8 int8 scales of the
+ *   Q5_K (13): nb * 16 nibbles | nb * 4 (bit 4)   | as Q4_K
+ *   Q6_K (14): nb * 16 nibbles | nb * 8 (bits 4-5)| per 8 blocks: fp16 d, 8 int8 scales of the
  *              blocks' first halves, 8 of their second halves               w = (q - 32) d sc
  *   F16 (1), BF16 (30): K 16-bit floats as they are.
  * In a block's 16 bytes of nibbles, byte j holds the low 4 bits of weight j (low nibble) and of
- * weight j + 16 (high). Byte j of a block's 4 bytes of a high bit holds that bit of weights 8j
- * to 8j + 7 (bit i for weight 8j + i); Q6_K has two such planes, bit 4's then bit 5's. ggml's own
+ * weight j + 16 (high). The high bits are laid out for the 8 lanes a block's codes are widened
+ * to, lane i taking weights i, i + 8, i + 16 and i + 24: 5-bit codes keep a uint32 whose bits
+ * 4i + j are bit 4 of weight i + 8j; Q6_K keeps 8 bytes, byte i's bits 2j, 2j + 1 being bits 4
+ * and 5 of weight i + 8j. Each costs a shift, an and and an or per 8 weights. ggml's own
  * K-quant layouts interleave the codes by 64 and pack the 6-bit scales; tri_pack undoes both
  * (Q4_K and Q5_K grow by 4 bytes per 256 weights, 3%).
  */
@@ -154,16 +156,24 @@ static inline const uint8_t *row_meta(int fmt, const uint8_t *row, int nb) {
 
 /* -- packing: ggml's blocks -> the layout above ------------------------------------------------- */
 
-/* Codes q[32] (natural order, values < 64) of one block into its nibbles and high-bit planes. */
-static void put_codes(const uint8_t *q, uint8_t *nib, uint8_t *planes, int nplanes) {
+/* Codes q[32] (natural order, values < 64) of one block into its nibbles and high bits. The
+ * high bits are laid out for the 8 lanes block_codes widens them to: lane i holds the bits of
+ * weights i, i + 8, i + 16 and i + 24 (see the layout comment at the top). */
+static void put_codes(int fmt, const uint8_t *q, uint8_t *nib, uint8_t *high) {
     for (int j = 0; j < 16; j++)
         nib[j] = (uint8_t)((q[j] & 15) | (q[j + 16] & 15) << 4);
-    for (int p = 0; p < nplanes; p++)
-        for (int j = 0; j < 4; j++) {
+    if (is_5bit(fmt)) {
+        uint32_t w = 0;
+        for (int i = 0; i < 8; i++)
+            for (int j = 0; j < 4; j++) w |= (uint32_t)((q[i + 8 * j] >> 4) & 1) << (4 * i + j);
+        memcpy(high, &w, 4);
+    } else if (fmt == FMT_Q6_K) {
+        for (int i = 0; i < 8; i++) {
             uint8_t v = 0;
-            for (int i = 0; i < 8; i++) v |= (uint8_t)(((q[8 * j + i] >> (4 + p)) & 1) << i);
-            planes[4 * p + j] = v;
+            for (int j = 0; j < 4; j++) v |= (uint8_t)(((q[i + 8 * j] >> 4) & 3) << (2 * j));
+            high[i] = v;
         }
+    }
 }
 
 /* ggml's get_scale_min_k4: the 6-bit scale and minimum of sub-block j of a Q4_K/Q5_K block. */
@@ -198,10 +208,18 @@ static void pack_row(int fmt, const uint8_t *src, int K, uint8_t *dst) {
                 memcpy(codes + 32 * (size_t)b, blk + 2, 32);
                 continue;
             }
-            const uint8_t *qh = is_5bit(fmt) ? blk + (has_min(fmt) ? 4 : 2) : NULL;
             const uint8_t *qs = blk + bytes - 16;
-            memcpy(codes + 16 * (size_t)b, qs, 16);  /* the nibbles are already in our order */
-            if (qh) memcpy(planes + 4 * (size_t)b, qh, 4);  /* bit i of the uint32 is weight i */
+            if (!is_5bit(fmt)) {
+                memcpy(codes + 16 * (size_t)b, qs, 16);  /* the nibbles are already in our order */
+                continue;
+            }
+            uint32_t qh;  /* bit i: bit 4 of weight i */
+            memcpy(&qh, blk + (has_min(fmt) ? 4 : 2), 4);
+            for (int i = 0; i < 16; i++) {
+                q[i] = (uint8_t)((qs[i] & 15) | ((qh >> i) & 1) << 4);
+                q[i + 16] = (uint8_t)((qs[i] >> 4) | ((qh >> (i + 16)) & 1) << 4);
+            }
+            put_codes(fmt, q, codes + 16 * (size_t)b, planes + 4 * (size_t)b);
         }
         return;
     }
@@ -244,8 +262,7 @@ static void pack_row(int fmt, const uint8_t *src, int K, uint8_t *dst) {
         }
         for (int j = 0; j < 8; j++) {
             const int b = 8 * s + j;
-            put_codes(q + 32 * j, codes + 16 * (size_t)b, planes + (size_t)plane_bytes(fmt) * b,
-                      plane_bytes(fmt) / 4);
+            put_codes(fmt, q + 32 * j, codes + 16 * (size_t)b, planes + (size_t)plane_bytes(fmt) * b);
         }
     }
 }
@@ -264,24 +281,10 @@ int tri_pack(int fmt, const uint8_t *src, int64_t rows, int K, uint8_t *dst, int
 
 /* -- reading packed blocks ------------------------------------------------------------------------ */
 
-/* BIT_BYTES[v]: 8 bytes, byte i = bit i of v; widened to 8 lanes, a byte of a high-bit plane. */
-static uint64_t BIT_BYTES[256];
-
-__attribute__((constructor)) static void init_bit_bytes(void) {
-    for (int v = 0; v < 256; v++) {
-        uint64_t e = 0;
-        for (int i = 0; i < 8; i++) e |= (uint64_t)((v >> i) & 1) << (8 * i);
-        BIT_BYTES[v] = e;
-    }
-}
-
-INLINE __m256i plane_bits(uint8_t v, int shift) {
-    return _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)&BIT_BYTES[v])), shift);
-}
-
 /* Block b's 32 codes as floats: f[0] weights 0-7, f[1] 8-15, f[2] 16-23, f[3] 24-31 (Q6_K's
- * less 32). Called with a constant fmt, so it compiles to one format's code. */
-INLINE void block_codes(int fmt, const uint8_t *row, int nb, int b, __m256 f[4]) {
+ * less 32 with ``q6_centred``; the few-rows kernel applies its -32 through x's half-block sums
+ * instead). Called with constant fmt and flag, so it compiles to one format's code. */
+INLINE void block_codes_q6(int fmt, const uint8_t *row, int nb, int b, __m256 f[4], int q6_centred) {
     if (fmt == FMT_Q8_0) {
         for (int j = 0; j < 4; j++)
             f[j] = i8x8_to_float(_mm_loadl_epi64((const __m128i *)(row + 32 * (size_t)b + 8 * j)));
@@ -296,16 +299,30 @@ INLINE void block_codes(int fmt, const uint8_t *row, int nb, int b, __m256 f[4])
         c[h] = _mm256_and_si256(v, low4);
         c[h + 2] = _mm256_srli_epi32(v, 4);
     }
-    if (is_5bit(fmt) || fmt == FMT_Q6_K) {
-        const uint8_t *p = row_planes(fmt, row, nb) + (size_t)plane_bytes(fmt) * b;
-        for (int j = 0; j < 4; j++) {
-            c[j] = _mm256_or_si256(c[j], plane_bits(p[j], 4));
-            if (fmt == FMT_Q6_K)
-                c[j] = _mm256_sub_epi32(_mm256_or_si256(c[j], plane_bits(p[4 + j], 5)),
-                                        _mm256_set1_epi32(32));
-        }
+    const uint8_t *p = row_planes(fmt, row, nb) + (size_t)plane_bytes(fmt) * b;
+    if (is_5bit(fmt)) {  /* lane i's 4 bits (one per vector) to bit 4 of c[0..3] */
+        uint32_t w;
+        memcpy(&w, p, 4);
+        const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32((int)w),
+                                            _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+        const __m256i bit4 = _mm256_set1_epi32(16);
+        for (int j = 0; j < 4; j++)
+            c[j] = _mm256_or_si256(c[j], _mm256_and_si256(_mm256_slli_epi32(v, 4 - j), bit4));
+    } else if (fmt == FMT_Q6_K) {  /* lane i's byte, two bits per vector, to bits 4-5 */
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+        const __m256i bits45 = _mm256_set1_epi32(0x30), off = _mm256_set1_epi32(32);
+        c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi32(v, 4), bits45));
+        c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi32(v, 2), bits45));
+        c[2] = _mm256_or_si256(c[2], _mm256_and_si256(v, bits45));
+        c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_srli_epi32(v, 2), bits45));
+        if (q6_centred)
+            for (int j = 0; j < 4; j++) c[j] = _mm256_sub_epi32(c[j], off);
     }
     for (int j = 0; j < 4; j++) f[j] = _mm256_cvtepi32_ps(c[j]);
+}
+
+INLINE void block_codes(int fmt, const uint8_t *row, int nb, int b, __m256 f[4]) {
+    block_codes_q6(fmt, row, nb, b, f, 1);
 }
 
 /* Block b's scale and offset (w = code * scale + offset; Q6_K: *s0 for weights 0-15, *s1 for
@@ -435,10 +452,11 @@ INLINE __m256 load_halves(const uint8_t *p) {
 }
 
 
-/* dot(codes of block b, x_b) as 8 partial sums (fp32 x); Q6_K's two halves apart in *hi. */
+/* dot(codes of block b, x_b) as 8 partial sums (fp32 x); Q6_K's two halves apart in *hi, its
+ * codes not centred (see group_f32). */
 INLINE __m256 block_dot_ps(int fmt, const uint8_t *row, int nb, int b, const float *xb, __m256 *hi) {
     __m256 f[4];
-    block_codes(fmt, row, nb, b, f);
+    block_codes_q6(fmt, row, nb, b, f, 0);
     __m256 s = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
     s = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), s);
     if (fmt == FMT_Q6_K) {
@@ -449,38 +467,52 @@ INLINE __m256 block_dot_ps(int fmt, const uint8_t *row, int nb, int b, const flo
     return _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), s);
 }
 
+/* The scales and offsets of the 8 blocks from b (b a multiple of 8), for the formats with one
+ * scale a block (all but Q6_K). */
+INLINE void group_affine(int fmt, const uint8_t *meta, int nb, int b, __m256 *scale, __m256 *off) {
+    if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) {
+        const uint8_t *m = meta + (size_t)(b / 8) * 20;
+        *scale = _mm256_mul_ps(_mm256_set1_ps(half_to_float(m)),
+                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + 4)))));
+        *off = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(m + 2)),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + 12)))));
+        return;
+    }
+    *scale = load_halves(meta + 2 * (size_t)b);
+    *off = has_min(fmt) ? load_halves(meta + 2 * (size_t)nb + 2 * b)
+         : _mm256_mul_ps(*scale, _mm256_set1_ps(fmt == FMT_Q4_0 ? -8.0f : fmt == FMT_Q5_0 ? -16.0f : 0.0f));
+}
+
 /* 8 blocks from b into acc: each block's sum of code * x times its scale, plus its offset times
  * the sum of its x (``xsum``). The scales and offsets of 8 blocks are applied as vectors. */
 INLINE __m256 group_f32(int fmt, const uint8_t *row, const uint8_t *meta, int nb, int b,
                         const float *x, const float *xsum, __m256 acc) {
     __m256 v[8];
-    if (fmt == FMT_Q6_K) {  /* two scales a block: applied per block, before the reduction */
+    if (fmt == FMT_Q6_K) {
+        /* two scales a block, applied per block before the reduction; the codes' -32 comes as
+         * -32 * scale * (sum of the half block's x), from x's half-block sums after its block
+         * sums (xsum + nb: per group of 8 blocks, 8 first halves then 8 second halves) */
         const uint8_t *m = meta + (size_t)(b / 8) * 18;
         const __m256 d = _mm256_set1_ps(half_to_float(m));
+        const __m256 slo = _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 2))));
+        const __m256 shi = _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 10))));
         float lo[8], hi[8];
-        _mm256_storeu_ps(lo, _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 2)))));
-        _mm256_storeu_ps(hi, _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 10)))));
+        _mm256_storeu_ps(lo, slo);
+        _mm256_storeu_ps(hi, shi);
         for (int j = 0; j < 8; j++) {
             __m256 h;
             const __m256 l = block_dot_ps(fmt, row, nb, b + j, x + (size_t)(b + j) * 32, &h);
             v[j] = _mm256_fmadd_ps(h, _mm256_set1_ps(hi[j]), _mm256_mul_ps(l, _mm256_set1_ps(lo[j])));
         }
-        return _mm256_add_ps(acc, reduce8_ps(v));
+        const float *halves = xsum + nb + 2 * (size_t)b;
+        const __m256 off = _mm256_fmadd_ps(slo, _mm256_loadu_ps(halves),
+                                           _mm256_mul_ps(shi, _mm256_loadu_ps(halves + 8)));
+        return _mm256_add_ps(acc, _mm256_fmadd_ps(off, _mm256_set1_ps(-32.0f), reduce8_ps(v)));
     }
     for (int j = 0; j < 8; j++)
         v[j] = block_dot_ps(fmt, row, nb, b + j, x + (size_t)(b + j) * 32, NULL);
     __m256 scale, off;
-    if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) {
-        const uint8_t *m = meta + (size_t)(b / 8) * 20;
-        scale = _mm256_mul_ps(_mm256_set1_ps(half_to_float(m)),
-                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + 4)))));
-        off = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(m + 2)),
-                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + 12)))));
-    } else {
-        scale = load_halves(meta + 2 * (size_t)b);
-        off = has_min(fmt) ? load_halves(meta + 2 * (size_t)nb + 2 * b)
-            : _mm256_mul_ps(scale, _mm256_set1_ps(fmt == FMT_Q4_0 ? -8.0f : fmt == FMT_Q5_0 ? -16.0f : 0.0f));
-    }
+    group_affine(fmt, meta, nb, b, &scale, &off);
     acc = _mm256_fmadd_ps(reduce8_ps(v), scale, acc);
     return fmt == FMT_Q8_0 ? acc : _mm256_fmadd_ps(off, _mm256_loadu_ps(xsum + b), acc);
 }
@@ -526,18 +558,29 @@ static float dot_row(int fmt, const uint8_t *row, const float *x, const float *x
     }
 }
 
+/* Per row of x: nb = K / 32 block sums, then for each whole group of 8 blocks the sums of their
+ * first halves (8) and of their second halves (8): XSUM_PER_BLOCK floats a block. */
+#define XSUM_PER_BLOCK 3
+
 static void block_sums(const float *x, int K, float *out) {
-    for (int b = 0; b < K / 32; b++) {
+    const int nb = K / 32;
+    for (int b = 0; b < nb; b++) {
         const float *xb = x + b * 32;
-        out[b] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
-                                    _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24))));
+        const __m256 lo = _mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8));
+        const __m256 hi = _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24));
+        out[b] = hsum(_mm256_add_ps(lo, hi));
+        if (b < nb / 8 * 8) {
+            float *halves = out + nb + (size_t)(b / 8) * 16 + b % 8;
+            halves[0] = hsum(lo);
+            halves[8] = hsum(hi);
+        }
     }
 }
 
-/* The int16-activation variant (opt-in; Q4_0, Q4_1 and Q8_0 only; not exact, relative error
+/* The int16-activation variant (opt-in; Q4_0, Q4_1, Q4_K and Q8_0; not exact, relative error
  * ~5e-5): each 32-block of x is
  * rounded to int16 with its own scale (dx), so a block's dot product is an exact integer sum.
- * The weights' offset term (Q4_1's m, Q4_0's -8d) uses the exact float sums of x.
+ * The weights' offset term (Q4_1's m, Q4_0's -8d, Q4_K's -dmin mn) uses the exact float sums of x.
  *
  * Q8_0 codes are widened to int16 and multiplied with madd. For 4-bit codes (0..15) the int16 x
  * is split into its signed high byte and unsigned low byte, x = 256 * xh + xl, so that maddubs
@@ -546,23 +589,9 @@ static void block_sums(const float *x, int K, float *out) {
  * into sum(code * x) exactly. Two blocks go together (their 32 code bytes are adjacent): x is
  * laid out per pair of blocks as four 32-byte vectors, xh of weights 0-15 of both blocks, xh of
  * weights 16-31, then xl of the same (see quantize_row_q16). */
-/* The int16 kernels' formats, and their offset terms: m_j * xs_j, where m is Q4_1's minimum,
- * -8d for Q4_0, 0 for Q8_0 (8 blocks from b, or block b alone). */
-static inline int int16_format(int fmt) { return fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q8_0; }
-
-INLINE __m256 offsets(int fmt, const uint8_t *ds, int nb, int b, const float *xs, __m256 acc) {
-    if (fmt == FMT_Q4_1)
-        return _mm256_fmadd_ps(load_halves(ds + 2 * (size_t)nb + 2 * b), _mm256_loadu_ps(xs + b), acc);
-    if (fmt == FMT_Q4_0)
-        return _mm256_fmadd_ps(_mm256_mul_ps(load_halves(ds + 2 * b), _mm256_set1_ps(-8.0f)),
-                               _mm256_loadu_ps(xs + b), acc);
-    return acc;
-}
-
-INLINE float offset(int fmt, const uint8_t *ds, int nb, int b) {
-    if (fmt == FMT_Q4_1) return half_to_float(ds + 2 * (size_t)nb + 2 * b);
-    if (fmt == FMT_Q4_0) return -8.0f * half_to_float(ds + 2 * b);
-    return 0.0f;
+/* The formats the int16 kernels read: 4-bit codes (Q4_0, Q4_1, Q4_K) and Q8_0. */
+static inline int int16_format(int fmt) {
+    return fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q4_K || fmt == FMT_Q8_0;
 }
 
 #define QX_BLOCK_BYTES 64  /* bytes of prepared x per block, either layout */
@@ -647,9 +676,10 @@ INLINE __m256 group_q16(int fmt, const uint8_t *row, const uint8_t *ds, int nb, 
         sums = _mm256_permutevar8x32_epi32(
             _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3])), order);
     }
-    const __m256 scale = _mm256_mul_ps(load_halves(ds + 2 * b), _mm256_loadu_ps(dx + b));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
-    return offsets(fmt, ds, nb, b, xs, acc);
+    __m256 scale, off;
+    group_affine(fmt, ds, nb, b, &scale, &off);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, _mm256_loadu_ps(dx + b)), acc);
+    return fmt == FMT_Q8_0 ? acc : _mm256_fmadd_ps(off, _mm256_loadu_ps(xs + b), acc);
 }
 
 INLINE float dot_row_q16_fmt(int fmt, const uint8_t *row, const uint8_t *qx, const float *dx,
@@ -673,8 +703,9 @@ INLINE float dot_row_q16_fmt(int fmt, const uint8_t *row, const uint8_t *qx, con
             const int32_t s = fmt == FMT_Q8_0
                 ? sums[0] + sums[1] + sums[2] + sums[3] + sums[4] + sums[5] + sums[6] + sums[7]
                 : sums[4 * j] + sums[4 * j + 1] + sums[4 * j + 2] + sums[4 * j + 3];
-            tail += (float)s * (half_to_float(ds + 2 * (b + j)) * dx[b + j])
-                    + offset(fmt, ds, nb, b + j) * xs[b + j];
+            float s0, s1, off;
+            block_affine(fmt, ds, nb, b + j, &s0, &s1, &off);
+            tail += (float)s * (s0 * dx[b + j]) + off * xs[b + j];
         }
     }
     return hsum(acc) + tail;
@@ -685,6 +716,7 @@ static float dot_row_q16(int fmt, const uint8_t *row, const uint8_t *qx, const f
     switch (fmt) {
     case FMT_Q4_0: return dot_row_q16_fmt(FMT_Q4_0, row, qx, dx, xs, nb);
     case FMT_Q4_1: return dot_row_q16_fmt(FMT_Q4_1, row, qx, dx, xs, nb);
+    case FMT_Q4_K: return dot_row_q16_fmt(FMT_Q4_K, row, qx, dx, xs, nb);
     default: return dot_row_q16_fmt(FMT_Q8_0, row, qx, dx, xs, nb);
     }
 }
@@ -755,7 +787,7 @@ static inline const uint8_t *lin_row(const tri_lin *L, int n, int *fmt, size_t *
 static void linear_prep(int fmt, const float *x, int M, int K, float *xsum, uint8_t *qx, float *dx) {
     const int nb = K / 32;
     for (int m = 0; m < M; m++) {
-        block_sums(x + (size_t)m * K, K, xsum + (size_t)m * nb);
+        block_sums(x + (size_t)m * K, K, xsum + (size_t)m * nb * XSUM_PER_BLOCK);
         if (qx) quantize_row_q16(fmt, x + (size_t)m * K, K, qx + m * qx_row_bytes(K), dx + (size_t)m * nb);
     }
 }
@@ -775,7 +807,7 @@ static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *
         for (size_t off = 0; off < rb; off += 64)
             _mm_prefetch((const char *)(row + 2 * rb + off), _MM_HINT_T0);
         for (int m = 0; m < M; m++) {
-            const float *xs = xsum + (size_t)m * nb;
+            const float *xs = xsum + (size_t)m * nb * XSUM_PER_BLOCK;
             const float dot = qx ? dot_row_q16(fmt, row, qx + m * qx_row_bytes(K), dx + (size_t)m * nb, xs, nb)
                                  : dot_row(fmt, row, x + (size_t)m * K, xs, K);
             y[(size_t)m * N + n] = dot + (L->bias ? L->bias[n] : 0.0f);
@@ -813,7 +845,7 @@ typedef struct {
 } lin_scratch;
 
 static int scratch_alloc(lin_scratch *s, int M, int K, int threads) {
-    s->xsum = malloc((size_t)M * (K / 32) * sizeof(float));
+    s->xsum = malloc((size_t)M * (K / 32) * XSUM_PER_BLOCK * sizeof(float));
     s->dx = malloc((size_t)M * (K / 32) * sizeof(float));
     s->qx = aligned_alloc(64, (size_t)M * qx_row_bytes(K));
     s->tiles = aligned_alloc(64, (size_t)threads * NT * K * sizeof(float));

@@ -49,6 +49,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="random-weight Qwen3 checkpoint of a named shape (tiny, small, qwen3-0.6b), "
         "built once into --cache-dir. Default: small",
     )
+    src.add_argument(
+        "--quantized",
+        default=None,
+        metavar="MODEL:TYPE",
+        help="a GGUF file made here by llama.cpp's quantizer (the bench-llamacpp extra), once, "
+        "into the cache's bench-models/: MODEL is a shape with seeded random weights and "
+        "SmolLM2's tokenizer (smollm2-1.7b) or smollm2-135m (the default model requantized); "
+        "TYPE a llama.cpp file type (Q4_K_M, Q5_K_M, Q6_K, Q8_0, ...). "
+        "E.g. --quantized smollm2-1.7b:Q4_K_M",
+    )
     p.add_argument("--cache-dir", type=Path, default=None, help="where --shape checkpoints go")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--no-gguf-blocks", action="store_true",
@@ -76,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--page-size", type=int, default=None)
     eng.add_argument("--kv-cache-mb", type=int, default=None,
                      help="default: enough for the whole workload at once (at least 256)")
+    eng.add_argument("--kv-cache-dtype", default="auto",
+                     choices=("auto", "float32", "float16", "bfloat16"),
+                     help="the engine's KV cache dtype (auto: float16 on the CPU, as the server)")
     eng.add_argument("--no-prefix-cache", action="store_true",
                      help="run our engine with EngineConfig(enable_prefix_cache=False)")
     p.add_argument("--baseline", action="append", choices=BASELINES, default=[],
@@ -134,6 +147,7 @@ def engine_config(args: argparse.Namespace, workload_tokens: int, bytes_per_toke
         kv_cache_bytes=kv_bytes,
         max_running=max_running,
         max_batched_tokens=max_batched,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if prefix_cache is not None:
         if not supports_prefix_cache_flag():
@@ -152,6 +166,8 @@ def resolve_checkpoint(args: argparse.Namespace) -> Path:
     from trio_infer.models.default_model import default_cache_dir, require_default_model
     from trio_infer.models.gguf_loader import GGUFError, find_gguf
 
+    if args.quantized:
+        return quantized_checkpoint(args.quantized)
     if args.model:
         if args.model.lower() in DEFAULT_MODEL_ALIASES:
             try:
@@ -171,6 +187,25 @@ def resolve_checkpoint(args: argparse.Namespace) -> Path:
             )
         return path
     return ensure_shape_checkpoint(args.shape or "small", args.cache_dir)
+
+
+def quantized_checkpoint(spec: str) -> Path:
+    """``--quantized MODEL:TYPE``: the file, made once (see :mod:`trio_infer.bench.quantized`)."""
+    from trio_infer.bench import quantized
+
+    model, _, file_type = spec.partition(":")
+    if model not in (*quantized.SHAPES, "smollm2-135m") or file_type not in quantized.FILE_TYPES:
+        raise SystemExit(
+            f"error: --quantized {spec!r}: expected MODEL:TYPE with MODEL one of "
+            f"{', '.join((*quantized.SHAPES, 'smollm2-135m'))} and TYPE one of "
+            f"{', '.join(quantized.FILE_TYPES)}")
+    if not quantized.available():
+        raise SystemExit("error: --quantized needs llama-cpp-python's quantizer: "
+                         ".venv/bin/pip install '.[bench-llamacpp]' (builds llama.cpp from source)")
+    print(f"making (or reusing) {model} {file_type} with llama.cpp's quantizer ...", flush=True)
+    if model == "smollm2-135m":
+        return quantized.ensure_requantized(file_type)
+    return quantized.ensure_shape(model, file_type)
 
 
 def is_gguf(path: Path) -> bool:
@@ -429,7 +464,8 @@ def main(args: argparse.Namespace) -> int:
             "prefill_ratios": prefill_ratios,
             "config": {
                 "model": str(path), "model_format": "gguf" if is_gguf(path) else "hf",
-                "shape": None if args.model else (args.shape or "small"), "dtype": args.dtype,
+                "shape": None if args.model or args.quantized else (args.shape or "small"),
+                "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
                 "token_ids": [first_id, end_id - 1], "vocab_size": vocab,
                 "threads": threads, "num_prompts": args.num_prompts,
                 "input_len": str(args.input_len), "output_len": str(args.output_len),

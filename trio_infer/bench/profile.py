@@ -167,11 +167,11 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
         phases["commit"].append(t3 - t2)
         phases["step"].append(t3 - t0)
     model = engine.model
+    elem = engine.kv_cache.k[0].element_size()  # the KV cache's own dtype (fp16 on the CPU)
     del engine
 
     foot = model_footprint(model)
     avg_ctx = ctx + sum(made.values()) / batch + warm_steps + steps / 2
-    elem = torch.empty((), dtype=info.dtype).element_size()
     kv_bytes = batch * avg_ctx * 2 * info.num_layers * info.num_kv_heads * info.head_dim * elem
     num_heads = config.num_attention_heads
     flops = 2.0 * batch * foot["gemm_weight_elems"] + (

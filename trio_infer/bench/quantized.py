@@ -84,8 +84,7 @@ def ensure_requantized(file_type: str, cache_dir: Path | None = None) -> Path:
     """The default model (SmolLM2-135M-Instruct, Q4_1) requantized to ``file_type``."""
     from trio_infer.models.default_model import require_default_model
 
-    source = require_default_model(cache_dir) if cache_dir else require_default_model(
-        _default_cache())
+    source = require_default_model(cache_dir or _default_cache())
     return quantize(source, bench_models_dir(cache_dir) / f"smollm2-135m-{file_type}.gguf",
                     file_type)
 
