@@ -1,4 +1,4 @@
-"""``python -m trio_infer.bench {offline,serve,frontend,constrained} ...``"""
+"""``python -m trio_infer.bench {offline,serve,frontend,constrained,memory} ...``"""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from trio_infer.bench import constrained, frontend, offline, serve
+    from trio_infer.bench import constrained, frontend, memory, offline, serve
 
     parser = argparse.ArgumentParser(
         prog="python -m trio_infer.bench",
@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description=constrained.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     )
+    memory.add_arguments(
+        sub.add_parser("memory", help="peak RSS of a worker vs llama.cpp on the same GGUF file",
+                       description=memory.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    )
     return parser
 
 
@@ -45,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         from trio_infer.bench.serve import main as run
     elif args.command == "constrained":
         from trio_infer.bench.constrained import main as run
+    elif args.command == "memory":
+        from trio_infer.bench.memory import main as run
     else:
         from trio_infer.bench.frontend import main as run
     return run(args)

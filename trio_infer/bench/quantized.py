@@ -35,11 +35,9 @@ FILE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_S"
 
 def available() -> bool:
     """Whether llama-cpp-python (the quantizer) is installed."""
-    try:
-        import llama_cpp  # noqa: F401
-    except Exception:
-        return False
-    return True
+    from trio_infer.bench import llamacpp
+
+    return llamacpp.available()
 
 
 def bench_models_dir(cache_dir: Path | None = None) -> Path:
