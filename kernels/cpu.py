@@ -39,7 +39,7 @@ FORMATS = {
     "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
 }
 # The formats the opt-in int16-activation kernels read (the others run exact whatever the flag).
-INT16_FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+INT16_FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0")
 # Bumped with cpu_kernels.c's tri_abi_version whenever the ctypes boundary changes.
 ABI_VERSION = 2
 

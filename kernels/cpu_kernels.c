@@ -577,7 +577,7 @@ static void block_sums(const float *x, int K, float *out) {
     }
 }
 
-/* The int16-activation variant (opt-in; Q4_0, Q4_1, Q4_K and Q8_0; not exact, relative error
+/* The int16-activation variant (opt-in; Q4_0, Q4_1, Q4_K, Q6_K and Q8_0; not exact, relative error
  * ~5e-5): each 32-block of x is
  * rounded to int16 with its own scale (dx), so a block's dot product is an exact integer sum.
  * The weights' offset term (Q4_1's m, Q4_0's -8d, Q4_K's -dmin mn) uses the exact float sums of x.
@@ -589,9 +589,9 @@ static void block_sums(const float *x, int K, float *out) {
  * into sum(code * x) exactly. Two blocks go together (their 32 code bytes are adjacent): x is
  * laid out per pair of blocks as four 32-byte vectors, xh of weights 0-15 of both blocks, xh of
  * weights 16-31, then xl of the same (see quantize_row_q16). */
-/* The formats the int16 kernels read: 4-bit codes (Q4_0, Q4_1, Q4_K) and Q8_0. */
+/* The formats the int16 kernels read: 4-bit codes (Q4_0, Q4_1, Q4_K), Q6_K and Q8_0. */
 static inline int int16_format(int fmt) {
-    return fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q4_K || fmt == FMT_Q8_0;
+    return fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q4_K || fmt == FMT_Q6_K || fmt == FMT_Q8_0;
 }
 
 #define QX_BLOCK_BYTES 64  /* bytes of prepared x per block, either layout */
@@ -650,6 +650,33 @@ INLINE __m256i pair_dot_q4(const uint8_t *codes, const uint8_t *xp, int both) {
                             _mm256_madd_epi16(l, _mm256_set1_epi16(1)));
 }
 
+/* The same for Q6_K's 6-bit codes (0..63, not centred) of blocks b and b + 1, their first
+ * halves' sums (weights 0-15) in *lo and second halves' in *hi, lanes 0-3 block b, 4-7 b + 1:
+ * each half has its own scale. The high bits (8 bytes a block, the two blocks' adjacent) are
+ * moved to bits 4-5 of the code bytes by 64-bit shifts. code * xh <= 2 * 63 * 128 and
+ * xl * code <= 2 * 255 * 63 still fit int16. */
+INLINE void pair_dot_q6(const uint8_t *codes, const uint8_t *high, const uint8_t *xp,
+                        __m256i *lo_sums, __m256i *hi_sums) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+    const __m256i q = _mm256_loadu_si256((const __m256i *)codes);
+    /* 64-bit lanes: block b's high bytes twice, then block b + 1's twice */
+    const __m256i hb = _mm256_permute4x64_epi64(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)high)), 0x50);
+    const __m256i hlo = _mm256_slli_epi16(
+        _mm256_and_si256(_mm256_srlv_epi64(hb, _mm256_setr_epi64x(0, 2, 0, 2)), low2), 4);
+    const __m256i hhi = _mm256_slli_epi16(
+        _mm256_and_si256(_mm256_srlv_epi64(hb, _mm256_setr_epi64x(4, 6, 4, 6)), low2), 4);
+    const __m256i lo = _mm256_or_si256(_mm256_and_si256(q, low4), hlo);
+    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low4), hhi);
+    const __m256i s256 = _mm256_set1_epi16(256), one = _mm256_set1_epi16(1);
+    *lo_sums = _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256((const __m256i *)xp)), s256),
+        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(xp + 64)), lo), one));
+    *hi_sums = _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_load_si256((const __m256i *)(xp + 32))), s256),
+        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(xp + 96)), hi), one));
+}
+
 /* sum(code * x) of Q8_0 block b as 8 partial sums. */
 INLINE __m256i block_dot_q8(const uint8_t *row, int b, const int16_t *xb) {
     const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 32 * b)));
@@ -664,6 +691,28 @@ INLINE __m256 group_q16(int fmt, const uint8_t *row, const uint8_t *ds, int nb, 
     /* pair sums come out as [b0 b2 b4 b6 | b1 b3 b5 b7]: back to block order */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     __m256i sums;
+    if (fmt == FMT_Q6_K) {  /* two sums a block, each with its scale; -32 via x's half sums */
+        __m256i lo[4], hi[4];
+        const uint8_t *high = row_planes(fmt, row, nb);
+        for (int j = 0; j < 4; j++)
+            pair_dot_q6(row + 16 * (size_t)(b + 2 * j), high + 8 * (size_t)(b + 2 * j),
+                        qx + (size_t)(b + 2 * j) * QX_BLOCK_BYTES, &lo[j], &hi[j]);
+        const __m256i slo = _mm256_permutevar8x32_epi32(
+            _mm256_hadd_epi32(_mm256_hadd_epi32(lo[0], lo[1]), _mm256_hadd_epi32(lo[2], lo[3])), order);
+        const __m256i shi = _mm256_permutevar8x32_epi32(
+            _mm256_hadd_epi32(_mm256_hadd_epi32(hi[0], hi[1]), _mm256_hadd_epi32(hi[2], hi[3])), order);
+        const uint8_t *m = ds + (size_t)(b / 8) * 18;
+        const __m256 d = _mm256_set1_ps(half_to_float(m));
+        const __m256 sc_lo = _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 2))));
+        const __m256 sc_hi = _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 10))));
+        const __m256 dxv = _mm256_loadu_ps(dx + b);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(slo), _mm256_mul_ps(sc_lo, dxv), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(shi), _mm256_mul_ps(sc_hi, dxv), acc);
+        const float *halves = xs + nb + 2 * (size_t)b;
+        const __m256 off = _mm256_fmadd_ps(sc_lo, _mm256_loadu_ps(halves),
+                                           _mm256_mul_ps(sc_hi, _mm256_loadu_ps(halves + 8)));
+        return _mm256_fmadd_ps(off, _mm256_set1_ps(-32.0f), acc);
+    }
     if (fmt == FMT_Q8_0) {
         __m256i v[8];
         for (int j = 0; j < 8; j++)
@@ -717,6 +766,7 @@ static float dot_row_q16(int fmt, const uint8_t *row, const uint8_t *qx, const f
     case FMT_Q4_0: return dot_row_q16_fmt(FMT_Q4_0, row, qx, dx, xs, nb);
     case FMT_Q4_1: return dot_row_q16_fmt(FMT_Q4_1, row, qx, dx, xs, nb);
     case FMT_Q4_K: return dot_row_q16_fmt(FMT_Q4_K, row, qx, dx, xs, nb);
+    case FMT_Q6_K: return dot_row_q16_fmt(FMT_Q6_K, row, qx, dx, xs, nb);
     default: return dot_row_q16_fmt(FMT_Q8_0, row, qx, dx, xs, nb);
     }
 }

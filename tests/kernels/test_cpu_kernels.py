@@ -116,19 +116,20 @@ def test_linear_with_int16_activations_is_close(fmt: str, rows: int, k: int) -> 
     assert err < (2e-4 if rows < 4 else 1e-6), err
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q5_K"])
 @pytest.mark.parametrize("rows", [1, 3, 4])
 def test_int16_activations_on_k_quants(fmt: str, rows: int) -> None:
-    """Q4_K takes the int16 kernel at 1-3 rows (within its tolerance); Q6_K has none and stays
-    exact whatever the flag."""
+    """Q4_K and Q6_K take the int16 kernel at 1-3 rows (within its tolerance); Q5_K has none and
+    stays exact whatever the flag."""
     g = torch.Generator().manual_seed(rows)
     packed, dense = packed_random(fmt, 64, 768, g)
     packed = packed.with_int16_activations()
     x = torch.randn(rows, 768, generator=g)
     want = (x.double() @ dense.double().T).float()
     err = ((ops.linear(x, packed) - want).norm() / want.norm()).item()
-    assert err < (2e-4 if rows < 4 and fmt == "Q4_K" else 1e-6), err
-    if fmt == "Q4_K" and rows < 4:
+    int16 = rows < 4 and fmt != "Q5_K"
+    assert err < (2e-4 if int16 else 1e-6), err
+    if int16:
         assert err > 1e-7  # the int16 path did run
 
 
