@@ -31,7 +31,8 @@ def resolve_device(settings: Settings) -> str:
 
 def build_tokenizer(settings: Settings) -> Any:
     """The tokenizer of the model the settings name (the front end needs it; the worker for the
-    grammars of constrained requests, and for the fake model's vocabulary)."""
+    grammars of constrained requests, and for the fake model's vocabulary). A GGUF file's is
+    converted once and then read from ``cache_dir/tokenizers`` (runtime/tokenizer_cache.py)."""
     from trio_infer.models.loader import load_tokenizer
 
     if settings.model == FAKE_MODEL:
@@ -41,9 +42,15 @@ def build_tokenizer(settings: Settings) -> Any:
         if not (tok_dir / "tokenizer.json").exists():
             build_fake_tokenizer(tok_dir)
         return load_tokenizer(tok_dir)
+    from trio_infer.models.gguf_loader import find_gguf
     from trio_infer.models.loader import resolve_model_path
+    from trio_infer.runtime.tokenizer_cache import load_gguf_tokenizer_cached
 
-    return load_tokenizer(resolve_model_path(settings.model, settings.cache_dir))
+    path = resolve_model_path(settings.model, settings.cache_dir)
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return load_gguf_tokenizer_cached(gguf_file, settings.cache_dir)
+    return load_tokenizer(path)
 
 
 def build_engine(settings: Settings) -> Engine:
