@@ -303,8 +303,9 @@ def _read_settings(sock: socket.socket):  # type: ignore[no-untyped-def]
 
 def _exit_if_the_pipe_closes(sock: socket.socket, loaded: threading.Event) -> None:
     """Until ``loaded`` is set, exit as soon as the front end (or supervisor) closes the pipe.
-    The loading thread is busy in the loaders and reads nothing, and the front end sends nothing
-    before the hello; this thread only peeks, so it consumes nothing the serving loop reads."""
+    The main thread is busy in the loaders and reads nothing meanwhile (the front end sends
+    nothing before the hello); this thread only peeks, so it takes nothing the serving loop
+    reads."""
 
     def watch() -> None:
         try:
