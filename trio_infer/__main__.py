@@ -1,7 +1,9 @@
 """Command line: ``python -m trio_infer serve ...`` and ``python -m trio_infer generate ...``.
 
-``serve`` runs hypercorn's trio worker in this process and owns SIGTERM/SIGINT, so shutdown is
-graceful in a way the bare ``hypercorn`` command cannot offer: on the first signal ``/health`` and
+``serve`` runs hypercorn's trio worker in this process: it listens at once and loads the model in
+the background (``/health`` says 503 ``loading`` meanwhile); a model that cannot be loaded ends it
+with exit status 1 and the reason in the log. It owns SIGTERM/SIGINT, so shutdown is graceful in a
+way the bare ``hypercorn`` command cannot offer: on the first signal ``/health`` and
 new requests answer 503, running requests get ``--shutdown-grace-s`` seconds to finish, then the
 rest end with an error event and ``[DONE]``, then hypercorn closes the connections and the process
 exits 0. A second signal skips the grace period.
@@ -163,7 +165,15 @@ def _serve_main(args: argparse.Namespace) -> int:
         from trio_infer.supervisor import run
 
         return run(settings, str(args.log_level))
-    trio.run(serve, settings)
+    from trio_infer.app import LoadFailed
+
+    try:
+        trio.run(serve, settings)
+    except BaseExceptionGroup as group:
+        _, other = group.split(LoadFailed)
+        if other is not None:
+            raise
+        return 1  # the app logged why
     return 0
 
 

@@ -1,20 +1,25 @@
 """The quart-trio application: ``hypercorn trio_infer.app:app --worker-class trio``.
 
 ``create_app(settings)`` builds an app; the module-level ``app`` is built from the environment
-(``TRIO_INFER_*``). Building is cheap: at startup (``before_serving``) the app loads the tokenizer
-(in a thread) and starts the batching worker, a child process that loads the model, through the
-public library API (:func:`~trio_infer.runtime.client.open_engine`) in an ``app.nursery`` task.
+(``TRIO_INFER_*``). Building is cheap, and so is startup: ``before_serving`` only starts the load
+(:func:`load_and_serve`) as a task of the app's nursery and returns, so the server listens at
+once, however long the model takes (hypercorn fails a lifespan startup that takes longer than its
+``startup_timeout``, 60 s by default).
 
 Lifecycle of the worker inside the app:
 
-* startup: tokenizer (thread) -> ``open_engine``: the worker process starts, loads the model and
-  says hello -> serving. A model that fails to load fails the startup with its error.
+* loading: the tokenizer (thread), then ``open_engine``: the worker process starts, loads the
+  model (reporting its progress) and says hello -> serving. Meanwhile ``/health`` answers 503
+  (``loading``), ``/v1/status`` says how far the load got, and every API request gets 503 with
+  ``Retry-After``. A load that fails is logged and raised out of the app's nursery as
+  :class:`LoadFailed`, which stops the server: the process exits non-zero.
 * the worker dies (crash, OOM kill, ``kill -9``): every live request ends at once with an error
   (error event or 503), ``/health`` and new requests answer 503, and the worker is restarted
   (bounded, logged); then the server serves again.
 * shutdown: ``after_serving`` drains (new requests 503) and ends every live session with an error,
-  then the app nursery's cancellation closes the pipe and reaps the worker. :func:`drain` gives
-  running requests a grace period first; ``python -m trio_infer serve`` calls it on SIGTERM/SIGINT.
+  then the app nursery's cancellation closes the pipe and reaps the worker (a worker still loading
+  exits as soon as its pipe closes). :func:`drain` gives running requests a grace period first;
+  ``python -m trio_infer serve`` calls it on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import logging
 from typing import Any
 
 import trio
+from hypercorn.utils import LifespanFailureError
 from quart_trio import QuartTrio
 
 from trio_infer.api.errors import register_error_handlers
@@ -34,17 +40,32 @@ from trio_infer.engine.engine import Engine
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import open_engine
 from trio_infer.runtime.errors import EngineUnavailable
+from trio_infer.runtime.protocol import Loading
 from trio_infer.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
+class LoadFailed(LifespanFailureError):
+    """The model could not be loaded (the message says why).
+
+    A :class:`hypercorn.utils.LifespanFailureError` because that is the one exception hypercorn
+    lets out of a running app's lifespan (any other is logged, and the server goes on serving
+    503s for good): raised into the app's nursery, it stops the server, and the process exits
+    non-zero, under bare ``hypercorn`` as under ``python -m trio_infer serve``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("startup", f"the model could not be loaded: {reason}")
+        self.reason = reason
+
+
 def create_app(settings: Settings | None = None, *, loaded: "tuple[Engine, Any] | None" = None) -> QuartTrio:
     """A new app serving ``settings``.
 
-    By default the model is loaded by a batching worker process at startup. A program that holds
-    an engine and its tokenizer already passes them as ``loaded``: the engine then runs behind the
-    same protocol in a task of this process (tests under a mock clock rely on that).
+    By default the model is loaded by a batching worker process, in the background once the
+    server listens. A program that holds an engine and its tokenizer already passes them as
+    ``loaded``: the engine then runs behind the same protocol in a task of this process, started
+    before startup returns (tests under a mock clock rely on that).
     """
     settings = settings if settings is not None else Settings()
     app = QuartTrio(__name__)
@@ -63,24 +84,11 @@ def create_app(settings: Settings | None = None, *, loaded: "tuple[Engine, Any] 
 
     @app.before_serving
     async def _start_engine() -> None:
-        if loaded is not None:
-            engine, tokenizer = loaded
+        if loaded is None:
+            app.nursery.start_soon(load_and_serve, app.nursery, state)
         else:
-            from trio_infer.runtime.loading import build_tokenizer
-
-            engine, tokenizer = None, await trio.to_thread.run_sync(build_tokenizer, settings)
-        state.tokenizer = tokenizer
-        state.texts = TokenText(tokenizer)
-        state.engine = await app.nursery.start(_run_engine, state, engine)
-        info = state.engine.info
-        state.limits = ModelLimits(
-            name=settings.served_model_name or info.name,
-            max_model_len=info.max_model_len,
-            vocab_size=info.vocab_size,
-            max_n=settings.max_n,
-            max_batch_sequences=settings.max_waiting,
-        )
-        log.info("serving %s (context %d tokens)", state.limits.name, state.limits.max_model_len)
+            engine, tokenizer = loaded
+            state.serve(await app.nursery.start(_run_engine, state, engine), tokenizer)
 
     @app.after_serving
     async def _stop_engine() -> None:
@@ -93,10 +101,40 @@ def create_app(settings: Settings | None = None, *, loaded: "tuple[Engine, Any] 
     return app
 
 
+async def load_and_serve(nursery: trio.Nursery, state: ServerState) -> None:
+    """Load the tokenizer, then start the batching worker in ``nursery`` and serve once it has
+    loaded the model; ``state.loading`` says how far it got meanwhile. Raises :class:`LoadFailed`
+    (after logging why) if either cannot be loaded."""
+    settings = state.settings
+    try:
+        from trio_infer.runtime.loading import build_tokenizer
+
+        state.loading = Loading("tokenizer")
+        # Abandoned on cancellation: a shutdown mid-load need not wait for a conversion.
+        tokenizer = await trio.to_thread.run_sync(build_tokenizer, settings, abandon_on_cancel=True)
+        state.loading = Loading("worker")
+        engine = await nursery.start(_run_engine, state, None)
+    except Exception as exc:
+        reason = _innermost(exc)
+        log.error("the model could not be loaded: %s", reason)
+        raise LoadFailed(reason) from exc
+    state.serve(engine, tokenizer)
+
+
+def _innermost(exc: BaseException) -> str:
+    """The message of the one error inside nested exception groups (trio's nurseries wrap it)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return str(exc) or type(exc).__name__
+
+
 async def _run_engine(
     state: ServerState, engine: Engine | None, *, task_status: Any = trio.TASK_STATUS_IGNORED
 ) -> None:
-    async with open_engine(state.settings, engine, state.metrics) as async_engine:
+    def on_loading(loading: Loading | None) -> None:
+        state.loading = loading
+
+    async with open_engine(state.settings, engine, state.metrics, on_loading=on_loading) as async_engine:
         task_status.started(async_engine)
         await trio.sleep_forever()
 

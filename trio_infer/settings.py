@@ -36,7 +36,8 @@ class Settings(BaseSettings):
     )
     cache_dir: Path = Field(
         Path.home() / ".cache" / "trio-infer",
-        description="Where the default model is fetched (models/) and the tiny model built.",
+        description="Where the default model is fetched (models/), the tiny model built, and the "
+        "tokenizers converted from GGUF files kept (tokenizers/).",
     )
 
     # -- engine -------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from trio_infer.runtime.protocol import (
     ClientProtocol,
     Credit,
     FrameDecoder,
+    Hello,
+    Loading,
     Output,
     ProtocolError,
     Stats,
@@ -59,6 +61,15 @@ def test_an_output_without_a_credit_is_refused() -> None:
     assert client.credits((1, 0)) == 0
     with pytest.raises(ProtocolError, match="without a credit"):
         client.receive_data(encode([Step([out], [], stats)]))
+
+
+def test_load_progress_comes_before_the_hello() -> None:
+    client = ClientProtocol()
+    data = encode([Loading("weights", 0, 9), Loading("weights", 4, 9)]) + encode([Loading("engine")])
+    first = client.receive_data(data[:-3])
+    assert first.loading == Loading("weights", 4, 9) and first.hello is None  # the newest
+    second = client.receive_data(data[-3:] + encode([Hello("m", 97, 64, 8)]))
+    assert second.loading == Loading("engine", None, None) and second.hello is not None
 
 
 @dataclass

@@ -30,6 +30,8 @@ INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 # Seconds a client is told to wait after a 503 for a full queue.
 RETRY_AFTER_S = 1
+# ... and after a 503 while the model loads (seconds to minutes: no point asking every second).
+LOADING_RETRY_AFTER_S = 5
 
 
 class APIError(Exception):

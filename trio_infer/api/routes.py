@@ -35,7 +35,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Quart, Response, g, make_response, request
 
 from trio_infer.api import sse
-from trio_infer.api.errors import SERVER_ERROR, APIError, error_body, from_engine_error, internal_error
+from trio_infer.api.errors import (
+    LOADING_RETRY_AFTER_S,
+    SERVER_ERROR,
+    APIError,
+    error_body,
+    from_engine_error,
+    internal_error,
+)
 from trio_infer.api.jsondepth import MAX_JSON_DEPTH, json_depth
 from trio_infer.api.protocol import (
     UNSUPPORTED_CHAT,
@@ -96,7 +103,7 @@ def health_problem(state: ServerState) -> str | None:
     """Why the server cannot take requests now (``/health`` answers 503 with it), or None."""
     engine = state.engine
     if engine is None:
-        return "the model is loading"
+        return "loading"
     if not engine.healthy:
         return "the batching worker is not running (it is restarting, or has stopped)"
     if engine.draining:
@@ -118,14 +125,18 @@ def live_tasks() -> int:
 
 
 def status_body(state: ServerState) -> dict[str, Any]:
-    """What ``GET /v1/status`` answers: health, the engine's gauges, the token counters (a
-    client derives rates from two readings and their ``time``) and the front end's live tasks."""
+    """What ``GET /v1/status`` answers: health, how far a load got (while the model loads or the
+    worker restarts), the engine's gauges, the token counters (a client derives rates from two
+    readings and their ``time``) and the front end's live tasks."""
     values = state.metrics.snapshot()
     count = lambda name: int(values.get("trio_infer_" + name, 0))  # noqa: E731
     problem = health_problem(state)
+    loading = state.loading
     return {
         "healthy": problem is None,
         "problem": problem,
+        "loading": None if loading is None else {
+            "phase": loading.phase, "done": loading.done, "total": loading.total},
         "model": state.limits.name if state.limits is not None else None,
         "time": time.time(),
         "requests": {
@@ -279,10 +290,12 @@ def register_routes(app: Quart) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        reason = health_problem(server_state(app))
+        state = server_state(app)
+        reason = health_problem(state)
         if reason is None:
             return json_response({"status": "ok"})
-        return json_response(error_body(reason, SERVER_ERROR, code="service_unavailable"), 503)
+        headers = {"Retry-After": str(LOADING_RETRY_AFTER_S)} if state.engine is None else None
+        return json_response(error_body(reason, SERVER_ERROR, code="service_unavailable"), 503, headers)
 
     @app.get("/v1/status")
     async def status() -> Response:

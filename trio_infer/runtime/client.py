@@ -48,6 +48,7 @@ from trio_infer.runtime.protocol import (
     ClientProtocol,
     Delivery,
     Hello,
+    Loading,
     Output,
     ProtocolError,
     Stats,
@@ -64,6 +65,8 @@ from trio_infer.settings import Settings
 log = logging.getLogger(__name__)
 
 Connect = Callable[[], AbstractAsyncContextManager[Connection]]
+# Told of each progress report of a loading worker, then None once it is ready or gone.
+OnLoading = Callable[[Loading | None], None]
 
 
 class WorkerStartError(Exception):
@@ -120,12 +123,13 @@ class GenerationStream:
 class AsyncEngine:
     def __init__(
         self, settings: Settings, connect: Connect, metrics: Metrics | None = None, *,
-        restart: bool = True,
+        restart: bool = True, on_loading: OnLoading | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics or Metrics()
         self._connect = connect
         self._restart = restart
+        self._on_loading = on_loading or (lambda loading: None)
         self.healthy = False  # a worker is connected and ready
         self.draining = False
         self.info: Hello | None = None
@@ -299,6 +303,7 @@ class AsyncEngine:
                         raise
                     log.exception("the connection to the batching worker failed")
                 finally:
+                    self._on_loading(None)
                     self.healthy = False
                     self.connection = None
                     self._forget_worker(EngineUnavailable("the batching worker stopped; retry shortly"))
@@ -325,7 +330,10 @@ class AsyncEngine:
             delivery = self._protocol.receive_data(data)
             if delivery.fatal is not None:
                 raise WorkerStartError(delivery.fatal.message)
+            if delivery.loading is not None:
+                self._on_loading(delivery.loading)
             if delivery.hello is not None:
+                self._on_loading(None)
                 self.info = delivery.hello
                 self.metrics.kv_pages_total.set(delivery.hello.num_pages)
                 self.connection = connection
@@ -449,10 +457,12 @@ def is_instant(engine: Engine) -> bool:
 
 @asynccontextmanager
 async def open_engine(
-    settings: Settings, engine: Engine | None = None, metrics: Metrics | None = None
+    settings: Settings, engine: Engine | None = None, metrics: Metrics | None = None, *,
+    on_loading: OnLoading | None = None,
 ) -> AsyncIterator[AsyncEngine]:
     """Start a batching worker for ``settings`` (a child process that loads the model), yield the
-    engine once it is ready; on exit stop the worker and wait for it.
+    engine once it is ready; on exit stop the worker and wait for it. ``on_loading`` hears the
+    worker's progress reports while it loads (at every restart too), then None.
 
     With ``engine`` (an :class:`~trio_infer.engine.engine.Engine` this program built), the worker
     is a task of this process over the same protocol instead (tests, embedding).
@@ -472,7 +482,7 @@ async def open_engine(
         in_thread = not is_instant(engine)
         connect = lambda: open_worker_task(engine, in_thread=in_thread)  # noqa: E731
         restart = False
-    async_engine = AsyncEngine(settings, connect, metrics, restart=restart)
+    async_engine = AsyncEngine(settings, connect, metrics, restart=restart, on_loading=on_loading)
     async with trio.open_nursery() as nursery:
         await nursery.start(async_engine.run)
         try:

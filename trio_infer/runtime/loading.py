@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -13,6 +14,9 @@ from trio_infer.settings import Settings
 FAKE_MODEL = "fake"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# ``progress(phase, done, total)``: where a load stands (see protocol.Loading).
+Progress = Callable[[str, "int | None", "int | None"], None]
 
 
 def configure_torch_threads(settings: Settings) -> int:
@@ -31,7 +35,8 @@ def resolve_device(settings: Settings) -> str:
 
 def build_tokenizer(settings: Settings) -> Any:
     """The tokenizer of the model the settings name (the front end needs it; the worker for the
-    grammars of constrained requests, and for the fake model's vocabulary)."""
+    grammars of constrained requests, and for the fake model's vocabulary). A GGUF file's is
+    converted once and then read from ``cache_dir/tokenizers`` (runtime/tokenizer_cache.py)."""
     from trio_infer.models.loader import load_tokenizer
 
     if settings.model == FAKE_MODEL:
@@ -41,13 +46,21 @@ def build_tokenizer(settings: Settings) -> Any:
         if not (tok_dir / "tokenizer.json").exists():
             build_fake_tokenizer(tok_dir)
         return load_tokenizer(tok_dir)
+    from trio_infer.models.gguf_loader import find_gguf
     from trio_infer.models.loader import resolve_model_path
+    from trio_infer.runtime.tokenizer_cache import load_gguf_tokenizer_cached
 
-    return load_tokenizer(resolve_model_path(settings.model, settings.cache_dir))
+    path = resolve_model_path(settings.model, settings.cache_dir)
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return load_gguf_tokenizer_cached(gguf_file, settings.cache_dir)
+    return load_tokenizer(path)
 
 
-def build_engine(settings: Settings) -> Engine:
-    """Load the model the settings name into an engine (slow: the worker process does it)."""
+def build_engine(settings: Settings, progress: Progress | None = None) -> Engine:
+    """Load the model the settings name into an engine (slow: the worker process does it),
+    telling ``progress`` how far it got."""
+    report: Progress = progress or (lambda phase, done, total: None)
     configure_torch_threads(settings)
     device = resolve_device(settings)
     config = EngineConfig(
@@ -60,6 +73,7 @@ def build_engine(settings: Settings) -> Engine:
     if settings.model == FAKE_MODEL:
         from trio_infer.models.fake import FakeModel
 
+        report("engine", None, None)
         tokenizer = build_tokenizer(settings)
         model = FakeModel(
             vocab_size=len(tokenizer),
@@ -73,9 +87,11 @@ def build_engine(settings: Settings) -> Engine:
 
     path = resolve_model_path(settings.model, settings.cache_dir)
     dtype = None if settings.dtype == "auto" else _DTYPES[settings.dtype]
-    model = load_model(path, dtype=dtype, device=device, served_name=settings.served_model_name,
-                       keep_blocks=None if settings.keep_gguf_blocks else False,
-                       int16_activations=settings.int16_activations)
+    with _counting_tensors(report):
+        model = load_model(path, dtype=dtype, device=device, served_name=settings.served_model_name,
+                           keep_blocks=None if settings.keep_gguf_blocks else False,
+                           int16_activations=settings.int16_activations)
+    report("engine", None, None)
     return Engine(model, config, device=device, grammars=build_grammars(model, build_tokenizer(settings)))
 
 
@@ -86,3 +102,34 @@ def build_grammars(model: Any, tokenizer: Any) -> Any:
 
     info = model.info
     return Grammars.for_hf_tokenizer(tokenizer, info.vocab_size, info.eos_token_ids)
+
+
+@contextmanager
+def _counting_tensors(report: Progress) -> Iterator[None]:
+    """Report ``("weights", loaded, total)`` as the model loaders read tensors.
+
+    Both loaders (``models/loader.py``, ``models/gguf_loader.py``) already count the tensors they
+    read, in a tqdm bar; for the duration of a load their ``tqdm`` is a subclass that also reports
+    each count, so the models package needs no callback parameter for it."""
+    from tqdm import tqdm
+
+    from trio_infer.models import gguf_loader, loader
+
+    class Counting(tqdm):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            report("weights", 0, self.total)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            shown = super().update(n)
+            report("weights", int(self.n), self.total)
+            return shown
+
+    modules = (loader, gguf_loader)
+    for module in modules:
+        module.tqdm = Counting  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.tqdm = tqdm  # type: ignore[attr-defined]

@@ -11,9 +11,10 @@ messages; each direction batches everything it has into one frame):
 * front end -> worker: :class:`Add` (a sequence: uid, prompt ids, sampling parameters, its first
   credits), :class:`Abort` (the request ended on the front end's side: the client left, a stop
   string matched, the reader stalled), :class:`Credit` (the reader took outputs).
-* worker -> front end: :class:`Hello` (once, when the model is loaded), :class:`Step` (once per
-  engine step: every output of the step, the sequences the worker ended on its own with an error,
-  and the engine's statistics), :class:`Fatal` (the worker cannot go on; it exits after it).
+* worker -> front end: :class:`Loading` (while the model loads: which phase, and tensors loaded
+  of total), :class:`Hello` (once, when the model is loaded), :class:`Step` (once per engine
+  step: every output of the step, the sequences the worker ended on its own with an error, and
+  the engine's statistics), :class:`Fatal` (the worker cannot go on; it exits after it).
 
 Flow control is credit-based, per uid (a uid is one sequence: ``(request id, choice index)``).
 A sequence starts with ``credits`` credits; the worker emits an output only against a credit and
@@ -61,6 +62,17 @@ ToWorker = Union[Add, Abort, Credit]
 
 
 # -- worker -> front end ---------------------------------------------------------------------------
+
+
+class Loading(msgspec.Struct, tag="loading", array_like=True):
+    """Where a load stands, for ``/v1/status``. Phases: ``"weights"`` (``done`` of ``total``
+    tensors read), then ``"engine"`` (the grammar tables and the KV cache); the front end adds its
+    own, ``"tokenizer"`` and ``"worker"`` (the process is starting). Counts are None where
+    nothing is counted."""
+
+    phase: str
+    done: int | None = None
+    total: int | None = None
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True):
@@ -124,7 +136,7 @@ class Fatal(msgspec.Struct, tag="fatal", array_like=True):
     message: str
 
 
-FromWorker = Union[Hello, Step, Fatal]
+FromWorker = Union[Loading, Hello, Step, Fatal]
 
 
 class ProtocolError(Exception):
@@ -183,6 +195,7 @@ class Delivery:
     stats: Stats | None  # the newest statistics in the frame
     hello: Hello | None
     fatal: Fatal | None
+    loading: Loading | None = None  # the newest progress report in the frame
 
 
 class ClientProtocol:
@@ -261,7 +274,7 @@ class ClientProtocol:
     def receive_data(self, data: bytes) -> Delivery:
         outputs: list[Output] = []
         failed: list[Failed] = []
-        stats = hello = fatal = None
+        stats = hello = fatal = loading = None
         credits = self._credits
         for message in self._decoder.feed(data):
             if type(message) is Step:
@@ -282,8 +295,10 @@ class ClientProtocol:
                         self._returned.pop(f.uid, None)
                         failed.append(f)
                 stats = message.stats
+            elif type(message) is Loading:
+                loading = message
             elif type(message) is Hello:
                 hello = message
             else:
                 fatal = message
-        return Delivery(outputs, failed, stats, hello, fatal)
+        return Delivery(outputs, failed, stats, hello, fatal, loading)

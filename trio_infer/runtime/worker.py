@@ -11,7 +11,9 @@ again; when nothing can run (idle, or every sequence waits for credits) it block
 Its cadence is the engine's, whatever the front end is doing. When the pipe closes (the front end
 exited, crashed or was killed) it exits: a worker never outlives its front end. It ignores
 SIGINT and SIGTERM: a Ctrl-C or a signal sent to the process group reaches the front end too,
-which drains and then closes the pipe.
+which drains and then closes the pipe. While it loads the model it reports its progress
+(:class:`~trio_infer.runtime.protocol.Loading`) and exits at once if the pipe closes (the front
+end was stopped or died mid-load: nothing is lost, and a load can take minutes).
 
 Run as ``python -m trio_infer.runtime.worker --fd N``: the front end (``runtime/transport.py``)
 starts it with one end of a socket pair as fd N and sends the settings as the first frame.
@@ -27,6 +29,8 @@ import selectors
 import signal
 import socket
 import sys
+import threading
+import time
 from typing import Sequence
 
 from trio_infer.engine.engine import Engine, StepPlan
@@ -38,6 +42,7 @@ from trio_infer.runtime.protocol import (
     Fatal,
     FrameDecoder,
     Hello,
+    Loading,
     Output,
     Stats,
     Step,
@@ -47,6 +52,12 @@ from trio_infer.runtime.protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+# Test-only: seconds the worker waits before it loads the model, to make a slow load out of a
+# tiny model (tests of the front end's background load). Never set it in production.
+TEST_LOAD_DELAY_ENV = "TRIO_INFER_TEST_LOAD_DELAY_S"
+# Progress reports at most this often (the last tensor's is always sent).
+_PROGRESS_INTERVAL_S = 0.1
 
 
 class WorkerCore:
@@ -294,6 +305,40 @@ def _read_settings(sock: socket.socket):  # type: ignore[no-untyped-def]
     return Settings.model_validate_json(body)
 
 
+def _exit_if_the_pipe_closes(sock: socket.socket, loaded: threading.Event) -> None:
+    """Until ``loaded`` is set, exit as soon as the front end (or supervisor) closes the pipe.
+    The main thread is busy in the loaders and reads nothing meanwhile (the front end sends
+    nothing before the hello); this thread only peeks, so it takes nothing the serving loop
+    reads."""
+
+    def watch() -> None:
+        try:
+            data = sock.recv(1, socket.MSG_PEEK)
+        except OSError:
+            data = b""
+        if not data and not loaded.is_set():
+            log.info("the front end left while the model was loading; exiting")
+            os._exit(0)
+
+    threading.Thread(target=watch, name="pipe-watch", daemon=True).start()
+
+
+class _ProgressSender:
+    """Send :class:`Loading` reports down the pipe, at most every ``_PROGRESS_INTERVAL_S``."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._last: tuple[str, float] | None = None
+
+    def __call__(self, phase: str, done: int | None, total: int | None) -> None:
+        now = time.monotonic()
+        if (self._last is not None and self._last[0] == phase and done != total
+                and now - self._last[1] < _PROGRESS_INTERVAL_S):
+            return
+        self._last = (phase, now)
+        self._sock.sendall(encode([Loading(phase, done, total)]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trio_infer.runtime.worker")
     parser.add_argument("--fd", type=int, required=True,
@@ -311,14 +356,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sock = socket.socket(fileno=args.fd)
     settings = _read_settings(sock)
+    loaded = threading.Event()
+    _exit_if_the_pipe_closes(sock, loaded)
     try:
+        delay = float(os.environ.get(TEST_LOAD_DELAY_ENV) or 0)
+        if delay:
+            log.warning("%s=%g: waiting before the load (test-only)", TEST_LOAD_DELAY_ENV, delay)
+            time.sleep(delay)
         from trio_infer.runtime.loading import build_engine
 
-        engine = build_engine(settings)
+        engine = build_engine(settings, _ProgressSender(sock))
+    except (BrokenPipeError, ConnectionResetError):
+        return 0  # the front end left mid-load
     except Exception as exc:
         log.exception("the worker could not load the model")
         sock.sendall(encode([Fatal(f"could not load the model: {exc}")]))
         return 1
+    loaded.set()
     # What is loaded now (torch, the model's modules, the tokenizer) lives as long as the process:
     # frozen out of the collector's sight, a full collection between steps no longer walks it.
     gc.collect()

@@ -385,8 +385,15 @@
     setText('st-health-text', text);
   }
 
+  function healthText(s) {
+    if (s.healthy) return 'healthy';
+    const l = s.loading;  // while the model loads: its phase, and tensors read of total
+    const progress = l ? ` (${l.phase}${l.total ? ` ${l.done}/${l.total}` : ''})` : '';
+    return `unhealthy: ${s.problem}${progress}`;
+  }
+
   function showStatus(s) {
-    showHealth(s.healthy ? 'ok' : 'down', s.healthy ? 'healthy' : `unhealthy: ${s.problem}`);
+    showHealth(s.healthy ? 'ok' : 'down', healthText(s));
     setText('st-running', s.requests.running);
     setText('st-waiting', s.requests.waiting);
     setText('st-kv-used', s.kv_pages.used);

@@ -1,0 +1,73 @@
+"""The tokenizer of a GGUF file, converted once and cached on disk.
+
+transformers builds a GGUF file's tokenizer from its ``tokenizer.ggml.*`` metadata in Python:
+about 5 s for SmolLM2's 49k-token vocabulary on a 2-core machine, paid at every start by the front
+end and again by the batching worker (it needs the tokenizer for grammars). The converted
+tokenizer is saved once (``save_pretrained``: ``tokenizer.json``, its config and the chat
+template) under ``<cache_dir>/tokenizers/<key>`` and loaded from there afterwards (~0.2 s).
+
+The key is a content hash of the whole file (blake2b: ~0.1 s for the default model's 98 MB; about
+a second per GB) and the transformers version that converted it. Size and modification time are
+not enough: a file replaced by another of the same size within the clock's resolution, or copied
+with its times kept, would get the old tokenizer. Hashing only the metadata would need the file
+parsed first, which costs more than hashing it whole at these sizes.
+
+An entry is written to a temporary folder beside it and renamed into place, so a reader never sees
+half of one; when two processes convert at once (the front end and the worker at a first start),
+the first rename wins and the other drops its copy. Every process loads the tokenizer from the
+saved entry, even right after converting it, so the front end and the worker always tokenize with
+the same files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from trio_infer.models.gguf_loader import load_gguf_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def cache_key(gguf_file: Path) -> str:
+    """The file's content hash, with the converting transformers version."""
+    import transformers
+
+    with open(gguf_file, "rb") as f:
+        digest = hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=20))
+    digest.update(b"\0transformers " + transformers.__version__.encode())
+    return digest.hexdigest()
+
+
+def load_gguf_tokenizer_cached(gguf_file: Path, cache_dir: Path) -> Any:
+    """The tokenizer of ``gguf_file``, from ``cache_dir`` (its ``tokenizers`` folder) when it was
+    converted before, else converted now and stored there."""
+    from transformers import AutoTokenizer
+
+    entry = cache_dir / "tokenizers" / cache_key(gguf_file)
+    if not entry.is_dir():
+        log.info("converting the tokenizer of %s (cached for later starts in %s)", gguf_file, entry)
+        tokenizer = load_gguf_tokenizer(gguf_file)
+        try:
+            _store(tokenizer, entry)
+        except OSError as exc:  # a read-only cache: serve anyway, convert again next time
+            log.warning("could not cache the tokenizer in %s: %s", entry, exc)
+            return tokenizer
+    return AutoTokenizer.from_pretrained(str(entry))
+
+
+def _store(tokenizer: Any, entry: Path) -> None:
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}-")
+    try:
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, entry)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not entry.is_dir():  # else another process stored it first: theirs is as good
+            raise
