@@ -211,10 +211,12 @@ class PackedParts:
 
     @property
     def int16_activations(self) -> bool:
-        return False  # the int16 kernels read one part in one format
+        return all(p.int16_activations for p in self.parts)
 
     def with_int16_activations(self) -> PackedParts:
-        return self
+        """Asked of every part; the kernels take it where every part's format has the int16
+        kernel and x's int16 layout is one for all (cpu_kernels.c, lin_int16)."""
+        return PackedParts(tuple(p.with_int16_activations() for p in self.parts))
 
 
 Packed = PackedWeight | PackedParts

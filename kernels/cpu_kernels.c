@@ -805,9 +805,15 @@ typedef struct {
     int rows[MAX_PARTS];
 } tri_lin;
 
-/* The int16 kernels run for one part in a format they read. */
+/* The int16 kernels run where every part is in a format they read and x's int16 layout is the
+ * same for all (Q8_0's differs from the 4-bit codes' and Q6_K's). */
 static int lin_int16(const tri_lin *L) {
-    return L->int16_activations && L->nparts == 1 && int16_format(L->fmt[0]);
+    if (!L->int16_activations)
+        return 0;
+    for (int p = 0; p < L->nparts; p++)
+        if (!int16_format(L->fmt[p]) || (L->fmt[p] == FMT_Q8_0) != (L->fmt[0] == FMT_Q8_0))
+            return 0;
+    return 1;
 }
 
 static int lin_valid(const tri_lin *L) {
