@@ -109,7 +109,10 @@ def start_server(
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from start_server(tiny_checkpoint, tmp_path_factory)
+    # fp32 KV: logprobs here are compared with transformers' fp32 ones to 1e-4 (the fp16 default
+    # has its own tolerance test, tests/test_gguf.py)
+    yield from start_server(tiny_checkpoint, tmp_path_factory,
+                            {"TRIO_INFER_KV_CACHE_DTYPE": "float32"})
 
 
 @pytest.fixture

@@ -29,6 +29,9 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, str]:
     )
     wait_for(lambda: health(url) == 200 or proc.poll() is not None, 120, "the server")
     assert proc.poll() is None, proc.communicate()[0][-3000:]
+    # Each front end listens at once and answers 503 (loading) until its pipe to the worker is
+    # up: wait until several fresh connections in a row (spread by the kernel) find both ready.
+    wait_for(lambda: all(health(url) == 200 for _ in range(6)), 60, "both front ends ready")
     return proc, url
 
 

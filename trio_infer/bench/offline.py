@@ -166,7 +166,7 @@ def resolve_checkpoint(args: argparse.Namespace) -> Path:
     from trio_infer.models.default_model import default_cache_dir, require_default_model
     from trio_infer.models.gguf_loader import GGUFError, find_gguf
 
-    if args.quantized:
+    if getattr(args, "quantized", None):
         return quantized_checkpoint(args.quantized)
     if args.model:
         if args.model.lower() in DEFAULT_MODEL_ALIASES:
