@@ -38,8 +38,6 @@ FORMATS = {
     "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
     "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
 }
-# The formats the opt-in int16-activation kernels read (the others run exact whatever the flag).
-INT16_FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0")
 # Bumped with cpu_kernels.c's tri_abi_version whenever the ctypes boundary changes.
 ABI_VERSION = 2
 
@@ -137,8 +135,9 @@ class PackedWeight:
     data: torch.Tensor
     in_features: int
     # Decode-sized products (1-3 rows of x) round x to int16 per 32-block first and multiply in
-    # integers: ~1.3x faster there, not exact (the tolerance is in docs/kernels.md). Only the
-    # INT16_FORMATS have that kernel; the others stay exact.
+    # integers: ~1.3x faster there, not exact (the tolerance is in docs/kernels.md). Only
+    # Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 have that kernel (cpu_kernels.c, int16_format); the others
+    # stay exact.
     int16_activations: bool = False
 
     @classmethod
