@@ -186,8 +186,7 @@ class GGUFCheckpoint:
 
     def tensor_formats(self) -> dict[str, str]:
         """Hugging Face weight name -> its GGUF tensor type name (``"Q4_1"``, ``"F32"``, ...)."""
-        return {gguf_tensor_name(t.name): t.tensor_type.name
-                for t in self._reader.tensors if t.name != ROPE_FREQS_TENSOR}
+        return {name: kind for name, (kind, _) in self.tensor_info().items()}
 
     def tensor_info(self) -> dict[str, tuple[str, int]]:
         """Hugging Face weight name -> (GGUF type name, number of elements)."""
