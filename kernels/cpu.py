@@ -28,8 +28,13 @@ import numpy as np
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-mbmi2", "-fopenmp", "-shared", "-fPIC",
+          "-std=c11")
+REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c", "bmi2")
+# Where the CPU has them, the int8-activation kernels use AVX512-VNNI's byte dot products (one
+# instruction per 32 weights instead of two) and AVX512BW's byte masks; without, AVX2's.
+VNNI_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+VNNI_CFLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
 
 # ggml type ids (GGMLQuantizationType values) of the weight formats the kernels read in place.
 # F32 weights are served as torch tensors; Q2_K, Q3_K and the IQ types are dequantized at load.
@@ -39,7 +44,12 @@ FORMATS = {
     "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
 }
 # Bumped with cpu_kernels.c's tri_abi_version whenever the ctypes boundary changes.
-ABI_VERSION = 2
+ABI_VERSION = 3
+# How the kernels multiply x with quantized weights (cpu_kernels.c, lin_activations): exact fp32;
+# or x rounded per 32-block to int16 (decode-sized products of Q4_0, Q4_1, Q4_K, Q6_K, Q8_0) or
+# to int8 (every product of every block format, llama.cpp's numerics). The tolerances are in
+# docs/kernels.md; 16-bit float weights always multiply exactly.
+ACTIVATIONS = {"exact": 0, "int16": 1, "int8": 2}
 
 
 class BuildError(RuntimeError):
@@ -51,15 +61,26 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def cpu_supported() -> bool:
-    """True if this CPU has the instructions the kernels are compiled for (Linux x86-64)."""
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
-    return all(f in flags for f in REQUIRED_CPU_FLAGS)
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines()
+                           if line.startswith("flags")), []))
+
+
+def cpu_supported() -> bool:
+    """True if this CPU has the instructions the kernels are compiled for (Linux x86-64)."""
+    return all(f in _cpu_flags() for f in REQUIRED_CPU_FLAGS)
+
+
+def cflags() -> tuple[str, ...]:
+    """The compiler flags for this CPU: :data:`CFLAGS`, with AVX512-VNNI where it has it."""
+    if all(f in _cpu_flags() for f in VNNI_CPU_FLAGS):
+        return CFLAGS + VNNI_CFLAGS
+    return CFLAGS
 
 
 def build(directory: Path | None = None) -> Path:
@@ -68,7 +89,8 @@ def build(directory: Path | None = None) -> Path:
     if cc is None:
         raise BuildError("no C compiler (gcc or $CC) found")
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((cc, *CFLAGS)).encode()).hexdigest()[:16]
+    flags = cflags()
+    digest = hashlib.sha256(source + " ".join((cc, *flags)).encode()).hexdigest()[:16]
     directory = directory or cache_dir()
     target = directory / f"libtrio_cpu_{digest}.so"
     if target.exists():
@@ -78,7 +100,7 @@ def build(directory: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"],
+        proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise BuildError(f"{cc} failed:\n{proc.stderr[-2000:]}")
@@ -134,15 +156,16 @@ class PackedWeight:
     fmt: str
     data: torch.Tensor
     in_features: int
-    # Decode-sized products (1-3 rows of x) round x to int16 per 32-block first and multiply in
-    # integers: ~1.3x faster there, not exact (the tolerance is in docs/kernels.md). Only
-    # Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 have that kernel (cpu_kernels.c, int16_format); the others
-    # stay exact.
-    int16_activations: bool = False
+    # One of ACTIVATIONS: how x is multiplied with these weights.
+    activations: str = "exact"
+
+    def __post_init__(self) -> None:
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations {self.activations!r}: one of {', '.join(ACTIVATIONS)}")
 
     @classmethod
     def from_blocks(cls, fmt: str, blocks: torch.Tensor | np.ndarray, in_features: int,
-                    int16_activations: bool = False) -> PackedWeight:
+                    activations: str = "exact") -> PackedWeight:
         """From ggml's blocks as a GGUF file stores them: [N, native row bytes] uint8 (any
         array that exposes its buffer; a read-only memory map is read, never written)."""
         kernels = _kernels()
@@ -151,18 +174,18 @@ class PackedWeight:
         if native == 0 or array.dtype != np.uint8 or array.ndim != 2 or array.shape[1] != native:
             raise ValueError(f"{fmt} blocks of shape {tuple(array.shape)} for {in_features} columns")
         array = np.ascontiguousarray(array)
-        out = cls.empty(fmt, array.shape[0], in_features, int16_activations)
+        out = cls.empty(fmt, array.shape[0], in_features, activations)
         kernels.pack(fmt, array, in_features, out.data, torch.get_num_threads())
         return out
 
     @classmethod
     def empty(cls, fmt: str, out_features: int, in_features: int,
-              int16_activations: bool = False) -> PackedWeight:
+              activations: str = "exact") -> PackedWeight:
         row = _kernels().row_bytes(fmt, in_features) if fmt in FORMATS else 0
         if row == 0:
             raise ValueError(f"cannot pack a [{out_features}, {in_features}] {fmt} weight")
         return cls(fmt, torch.empty(out_features, row, dtype=torch.uint8), in_features,
-                   int16_activations)
+                   activations)
 
     @property
     def out_features(self) -> int:
@@ -176,8 +199,8 @@ class PackedWeight:
     def parts(self) -> tuple[PackedWeight, ...]:
         return (self,)
 
-    def with_int16_activations(self) -> PackedWeight:
-        return dataclasses.replace(self, int16_activations=True)
+    def with_activations(self, activations: str) -> PackedWeight:
+        return dataclasses.replace(self, activations=activations)
 
 
 @dataclass(frozen=True)
@@ -209,13 +232,14 @@ class PackedParts:
         return sum(p.nbytes for p in self.parts)
 
     @property
-    def int16_activations(self) -> bool:
-        return all(p.int16_activations for p in self.parts)
+    def activations(self) -> str:
+        return self.parts[0].activations
 
-    def with_int16_activations(self) -> PackedParts:
-        """Asked of every part; the kernels take it where every part's format has the int16
-        kernel and x's int16 layout is one for all (cpu_kernels.c, lin_int16)."""
-        return PackedParts(tuple(p.with_int16_activations() for p in self.parts))
+    def with_activations(self, activations: str) -> PackedParts:
+        """Asked of every part; the kernels take it where every part's format allows (int16:
+        every part has the int16 kernel and x's int16 layout is one for all; int8: no part is
+        16-bit floats; cpu_kernels.c, lin_activations)."""
+        return PackedParts(tuple(p.with_activations(activations) for p in self.parts))
 
 
 Packed = PackedWeight | PackedParts
@@ -234,7 +258,7 @@ MAX_PARTS = 3
 
 
 class _Lin(ctypes.Structure):
-    _fields_ = [("nparts", _I), ("K", _I), ("N", _I), ("bias", _P), ("int16_activations", _I),
+    _fields_ = [("nparts", _I), ("K", _I), ("N", _I), ("bias", _P), ("activations", _I),
                 ("fmt", _I * MAX_PARTS), ("w", _P * MAX_PARTS), ("row_bytes", _SZ * MAX_PARTS),
                 ("rows", _I * MAX_PARTS)]
 
@@ -254,7 +278,7 @@ class _Model(ctypes.Structure):
 
 def _lin(w: Packed, bias: torch.Tensor | None) -> _Lin:
     lin = _Lin(len(w.parts), w.in_features, w.out_features, _ptr(bias),
-               int(w.int16_activations))
+               ACTIVATIONS[w.activations])
     for i, part in enumerate(w.parts):
         lin.fmt[i] = FORMATS[part.fmt]
         lin.w[i] = part.data.data_ptr()

@@ -49,7 +49,7 @@ enum {
 };
 
 /* Bumped whenever a struct or signature of the ctypes boundary changes; kernels/cpu.py checks it. */
-int tri_abi_version(void) { return 2; }
+int tri_abi_version(void) { return 3; }
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -771,6 +771,264 @@ static float dot_row_q16(int fmt, const uint8_t *row, const uint8_t *qx, const f
     }
 }
 
+/* -- int8 activations (opt-in; every block format; not exact) -----------------------------------
+ *
+ * What llama.cpp does for every quantized weight: each 32-block of x is rounded to int8 with its
+ * own scale dx = max|x| / 127, so a block's dot product with the codes is an integer sum of 32
+ * byte products: one vpdpbusd (AVX512-VNNI) or a maddubs and a madd (AVX2) per 32 weights, four
+ * times the products per instruction of the fp32 kernels. The weights' offsets (Q4_1's m, Q4_0's
+ * -8d, the K-quants' -dmin mn, Q6_K's -32) use the sums of the rounded x (quantize_row_q8).
+ * Relative error per product ~1/254 per value (the tolerance is in docs/kernels.md).
+ *
+ * Codes are unsigned bytes (0..63; Q8_0's signed codes go as |w| with x's sign flipped where w
+ * is negative), x signed bytes in [-127, 127]: maddubs' pair sums stay within int16.
+ *
+ * The kernel takes up to R8 rows of x per pass over a weight row: a group of 8 blocks' codes is
+ * unpacked into registers once and multiplied with each row's x, so from 2 rows on it is a GEMM
+ * whose weights are decoded once per R8 rows, not once per row.
+ *
+ * x is prepared in two layouts: per pair of blocks (b, b + 1) 64 bytes, x_b[0:16], x_b+1[0:16],
+ * x_b[16:32], x_b+1[16:32], matching the nibbles of the two blocks' 32 code bytes (byte j: weight
+ * j low, j + 16 high); and in natural order (Q8_0's codes). */
+
+#define R8 8
+
+/* Bytes of one prepared row: the pair layout (whole pairs), then the natural one. */
+static size_t q8_row_bytes(int K) { return (size_t)(K / 32 + 1) / 2 * 64 + (size_t)K; }
+
+INLINE __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* 0x10 in each byte whose bit of m is set (bit 4 of a 5-bit code). */
+INLINE __m256i bit4_bytes(uint32_t m) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_mov_epi8(m, _mm256_set1_epi8(0x10));
+#else
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel), _mm256_set1_epi8(0x10));
+#endif
+}
+
+/* The lanes' bits of a 5-bit block's high-bit word (bit 4i + j: weight i + 8j) in natural order:
+ * *lo bits 0-15 weights 0-15, *hi weights 16-31. */
+INLINE void bit4_natural(uint32_t w, uint32_t *lo, uint32_t *hi) {
+    *lo = _pext_u32(w, 0x11111111u) | _pext_u32(w, 0x22222222u) << 8;
+    *hi = _pext_u32(w, 0x44444444u) | _pext_u32(w, 0x88888888u) << 8;
+}
+
+/* x's row rounded to int8 (both layouts, ``out``), its block scales (dx) and the sums of the
+ * rounded values (``sums``, laid out as block_sums'). The offsets are applied to the rounded x's
+ * sums, not the exact ones: then a block's error is sum(w * e) over the rounding errors e of its
+ * x, which cancels as the weights are centred, where sum((w - offset) * e) would not (measured
+ * on SmolLM2: the exact sums made int8 activations change the top token at 3x as many positions). */
+static void quantize_row_q8(const float *x, int K, int8_t *out, float *dx, float *sums) {
+    const int nb = K / 32;
+    int8_t *pairs = out, *natural = out + (size_t)(nb + 1) / 2 * 64;
+    if (nb % 2) memset(pairs + (size_t)(nb - 1) / 2 * 64, 0, 64);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < nb; b++) {
+        const float *xb = x + b * 32;
+        __m256 amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++)
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * j)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float d = _mm_cvtss_f32(m4) / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        dx[b] = d;
+        int8_t *nat = natural + 32 * (size_t)b;
+        for (int j = 0; j < 4; j++) {  /* round to nearest even; |v| <= 127 */
+            const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * j), _mm256_set1_ps(id)));
+            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            _mm_storel_epi64((__m128i *)(nat + 8 * j), _mm_packs_epi16(w, w));
+        }
+        int8_t *pair = pairs + (size_t)(b / 2) * 64 + (b % 2) * 16;
+        memcpy(pair, nat, 16);
+        memcpy(pair + 32, nat + 16, 16);
+        int lo = 0, hi = 0;
+        for (int i = 0; i < 16; i++) { lo += nat[i]; hi += nat[i + 16]; }
+        sums[b] = d * (float)(lo + hi);
+        if (b < nb / 8 * 8) {
+            float *halves = sums + nb + (size_t)(b / 8) * 16 + b % 8;
+            halves[0] = d * (float)lo;
+            halves[8] = d * (float)hi;
+        }
+    }
+}
+
+/* One group's codes, unpacked once for every row of x: 8 vectors (see group_q8). */
+typedef struct { __m256i v[8]; } codes8;
+
+/* Blocks b..b+7 of a row (b + 8 <= nb): Q8_0: |w| per block in v[j] (the signs in *signs);
+ * Q6_K: 6-bit codes of pair j's first halves in v[2j], second halves in v[2j + 1]; the others:
+ * pair j's low nibbles (weights 0-15 of both blocks) in v[2j], high nibbles in v[2j + 1], with
+ * bit 4 for the 5-bit formats. */
+INLINE void unpack_group(int fmt, const uint8_t *row, int nb, int b, codes8 *c, codes8 *signs) {
+    if (fmt == FMT_Q8_0) {
+        for (int j = 0; j < 8; j++) {
+            signs->v[j] = _mm256_loadu_si256((const __m256i *)(row + 32 * (size_t)(b + j)));
+            c->v[j] = _mm256_abs_epi8(signs->v[j]);
+        }
+        return;
+    }
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const uint8_t *planes = row_planes(fmt, row, nb);
+    for (int j = 0; j < 4; j++) {
+        const int bb = b + 2 * j;
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(row + 16 * (size_t)bb));
+        __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        if (is_5bit(fmt)) {
+            uint32_t w0, w1, l0, h0, l1, h1;
+            memcpy(&w0, planes + 4 * (size_t)bb, 4);
+            memcpy(&w1, planes + 4 * (size_t)bb + 4, 4);
+            bit4_natural(w0, &l0, &h0);
+            bit4_natural(w1, &l1, &h1);
+            lo = _mm256_or_si256(lo, bit4_bytes(l0 | l1 << 16));
+            hi = _mm256_or_si256(hi, bit4_bytes(h0 | h1 << 16));
+        } else if (fmt == FMT_Q6_K) {  /* as pair_dot_q6 */
+            const __m256i low2 = _mm256_set1_epi8(0x03);
+            const __m256i hb = _mm256_permute4x64_epi64(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(planes + 8 * (size_t)bb))), 0x50);
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(
+                _mm256_and_si256(_mm256_srlv_epi64(hb, _mm256_setr_epi64x(0, 2, 0, 2)), low2), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(
+                _mm256_and_si256(_mm256_srlv_epi64(hb, _mm256_setr_epi64x(4, 6, 4, 6)), low2), 4));
+        }
+        c->v[2 * j] = lo;
+        c->v[2 * j + 1] = hi;
+    }
+}
+
+/* The group's integer sums with one row of x: lane j block b + j's sum(code * xq) (Q6_K: its
+ * first half's, the second halves' in *second). xp: the row's pair layout at block b; xn: its
+ * natural layout at block b. */
+INLINE __m256i group_sums_q8(int fmt, const codes8 *c, const codes8 *signs, const int8_t *xp,
+                             const int8_t *xn, __m256i *second) {
+    __m256i v[8];
+    if (fmt == FMT_Q8_0) {
+        for (int j = 0; j < 8; j++)
+            v[j] = dpbusd(_mm256_setzero_si256(), c->v[j],
+                          _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xn + 32 * j)), signs->v[j]));
+        return reduce8_epi32(v);
+    }
+    /* pair sums come out as [b0 b2 b4 b6 | b1 b3 b5 b7]: back to block order */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int j = 0; j < 4; j++) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(xp + 64 * j));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(xp + 64 * j + 32));
+        if (fmt == FMT_Q6_K) {
+            v[j] = dpbusd(_mm256_setzero_si256(), c->v[2 * j], a);
+            v[4 + j] = dpbusd(_mm256_setzero_si256(), c->v[2 * j + 1], h);
+        } else {
+            v[j] = dpbusd(dpbusd(_mm256_setzero_si256(), c->v[2 * j], a), c->v[2 * j + 1], h);
+        }
+    }
+    if (fmt == FMT_Q6_K)
+        *second = _mm256_permutevar8x32_epi32(
+            _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7])), order);
+    return _mm256_permutevar8x32_epi32(
+        _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3])), order);
+}
+
+/* One block's integer sum with one row of x: the nb % 8 blocks after the groups, which only the
+ * 32-block formats have (a K-quant row is whole super-blocks of 8 blocks). */
+static int32_t block_sum_q8(int fmt, const uint8_t *row, int nb, int b, const int8_t *xq) {
+    int8_t q[32];
+    const int8_t *xn = xq + (size_t)(nb + 1) / 2 * 64 + 32 * (size_t)b;
+    if (fmt == FMT_Q8_0) {
+        memcpy(q, row + 32 * (size_t)b, 32);
+    } else {
+        float f[32];
+        __m256 v[4];
+        block_codes(fmt, row, nb, b, v);
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(f + 8 * j, v[j]);
+        /* f[8j + i] is weight i + 8j: the natural order */
+        for (int i = 0; i < 32; i++) q[i] = (int8_t)f[i];
+    }
+    int32_t s = 0;
+    for (int i = 0; i < 32; i++) s += (fmt == FMT_Q8_0 ? q[i] : (uint8_t)q[i]) * xn[i];
+    return s;
+}
+
+/* rows of x m0..m0+R (R <= R8) times weight row ``row``: out[r] = dot. xq: prepared rows
+ * (q8_row_bytes apart), dx: their block scales, xs: their rounded block sums. */
+INLINE void dot_rows_q8_fmt(int fmt, const uint8_t *row, int nb, int R, const int8_t *xq,
+                            size_t xq_bytes, const float *dx, const float *xs, float *out) {
+    const uint8_t *meta = row_meta(fmt, row, nb);
+    const size_t natural = (size_t)(nb + 1) / 2 * 64;
+    __m256 acc[R8];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        codes8 c, signs;
+        unpack_group(fmt, row, nb, b, &c, &signs);
+        if (fmt == FMT_Q6_K) {
+            const uint8_t *m = meta + (size_t)(b / 8) * 18;
+            const __m256 d = _mm256_set1_ps(half_to_float(m));
+            const __m256 sc_lo = _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 2))));
+            const __m256 sc_hi = _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 10))));
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = xq + r * xq_bytes;
+                __m256i second;
+                const __m256i first = group_sums_q8(fmt, &c, &signs, x + (size_t)b * 32, NULL, &second);
+                const __m256 dxv = _mm256_loadu_ps(dx + (size_t)r * nb + b);
+                const float *halves = xs + (size_t)r * nb * XSUM_PER_BLOCK + nb + 2 * (size_t)b;
+                __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), _mm256_mul_ps(sc_lo, dxv), acc[r]);
+                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), _mm256_mul_ps(sc_hi, dxv), a);
+                const __m256 off = _mm256_fmadd_ps(sc_lo, _mm256_loadu_ps(halves),
+                                                   _mm256_mul_ps(sc_hi, _mm256_loadu_ps(halves + 8)));
+                acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(-32.0f), a);
+            }
+            continue;
+        }
+        __m256 scale, off;
+        group_affine(fmt, meta, nb, b, &scale, &off);
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = xq + r * xq_bytes;
+            const __m256i sums = group_sums_q8(fmt, &c, &signs, x + (size_t)b * 32,
+                                               x + natural + (size_t)b * 32, NULL);
+            const __m256 dxv = _mm256_loadu_ps(dx + (size_t)r * nb + b);
+            __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, dxv), acc[r]);
+            if (fmt != FMT_Q8_0)
+                a = _mm256_fmadd_ps(off, _mm256_loadu_ps(xs + (size_t)r * nb * XSUM_PER_BLOCK + b), a);
+            acc[r] = a;
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float tail = 0.0f;  /* the last nb % 8 blocks (none for the K-quants) */
+        for (int t = b; t < nb; t++) {
+            float s0, s1, o;
+            block_affine(fmt, meta, nb, t, &s0, &s1, &o);
+            const int32_t s = block_sum_q8(fmt, row, nb, t, xq + r * xq_bytes);
+            tail += (float)s * (s0 * dx[(size_t)r * nb + t]) + o * xs[(size_t)r * nb * XSUM_PER_BLOCK + t];
+        }
+        out[r] = hsum(acc[r]) + tail;
+    }
+}
+
+static void dot_rows_q8(int fmt, const uint8_t *row, int nb, int R, const int8_t *xq,
+                        size_t xq_bytes, const float *dx, const float *xs, float *out) {
+    switch (fmt) {
+    case FMT_Q4_0: dot_rows_q8_fmt(FMT_Q4_0, row, nb, R, xq, xq_bytes, dx, xs, out); break;
+    case FMT_Q4_1: dot_rows_q8_fmt(FMT_Q4_1, row, nb, R, xq, xq_bytes, dx, xs, out); break;
+    case FMT_Q5_0: dot_rows_q8_fmt(FMT_Q5_0, row, nb, R, xq, xq_bytes, dx, xs, out); break;
+    case FMT_Q5_1: dot_rows_q8_fmt(FMT_Q5_1, row, nb, R, xq, xq_bytes, dx, xs, out); break;
+    case FMT_Q8_0: dot_rows_q8_fmt(FMT_Q8_0, row, nb, R, xq, xq_bytes, dx, xs, out); break;
+    case FMT_Q4_K: dot_rows_q8_fmt(FMT_Q4_K, row, nb, R, xq, xq_bytes, dx, xs, out); break;
+    case FMT_Q5_K: dot_rows_q8_fmt(FMT_Q5_K, row, nb, R, xq, xq_bytes, dx, xs, out); break;
+    default: dot_rows_q8_fmt(FMT_Q6_K, row, nb, R, xq, xq_bytes, dx, xs, out); break;
+    }
+}
+
 /* -- linear layers -------------------------------------------------------------------------------
  *
  * The pieces below run inside a parallel region their caller opens: their loops are orphaned
@@ -798,22 +1056,32 @@ typedef struct {
     int nparts;
     int K, N;                       /* N: the parts' rows together */
     const float *bias;              /* [N], or NULL */
-    int int16_activations;          /* asked for; taken where lin_int16 says */
+    int activations;                /* ACT_*: asked for; taken where lin_activations says */
     int fmt[MAX_PARTS];
     const uint8_t *w[MAX_PARTS];
     size_t row_bytes[MAX_PARTS];    /* bytes from one row of the part to the next */
     int rows[MAX_PARTS];
 } tri_lin;
 
-/* The int16 kernels run where every part is in a format they read and x's int16 layout is the
- * same for all (Q8_0's differs from the 4-bit codes' and Q6_K's). */
-static int lin_int16(const tri_lin *L) {
-    if (!L->int16_activations)
-        return 0;
+/* How x is multiplied with the weights: exact fp32, or rounded to int16 or int8 per 32-block. */
+enum { ACT_EXACT = 0, ACT_INT16 = 1, ACT_INT8 = 2 };
+
+/* What L's product takes of what it asks for: int8 where no part is 16-bit floats; int16 where
+ * every part is in a format its kernels read and x's int16 layout is the same for all (Q8_0's
+ * differs from the 4-bit codes' and Q6_K's); else exact. */
+static int lin_activations(const tri_lin *L) {
+    if (L->activations == ACT_INT8) {
+        for (int p = 0; p < L->nparts; p++)
+            if (is_16bit(L->fmt[p]))
+                return ACT_EXACT;
+        return ACT_INT8;
+    }
+    if (L->activations != ACT_INT16)
+        return ACT_EXACT;
     for (int p = 0; p < L->nparts; p++)
         if (!int16_format(L->fmt[p]) || (L->fmt[p] == FMT_Q8_0) != (L->fmt[0] == FMT_Q8_0))
-            return 0;
-    return 1;
+            return ACT_EXACT;
+    return ACT_INT16;
 }
 
 static int lin_valid(const tri_lin *L) {
@@ -912,9 +1180,45 @@ static void scratch_free(lin_scratch *s) {
     free(s->xsum); free(s->dx); free(s->qx); free(s->tiles);
 }
 
+/* Any number of rows with int8 activations: every row of x prepared (block sums, int8 rows),
+ * then each thread's weight rows multiplied with R8 rows of x at a time, MB rows of x per pass
+ * (a pass's prepared x stays in L2). */
+static void linear_q8_omp(const tri_lin *L, const float *x, int M, float *y, const lin_scratch *s) {
+    const int K = L->K, N = L->N, nb = K / 32;
+    const size_t xb = q8_row_bytes(K), xsb = (size_t)nb * XSUM_PER_BLOCK;
+    int8_t *qx = (int8_t *)s->qx;
+    #pragma omp for schedule(static)
+    for (int m = 0; m < M; m++)
+        quantize_row_q8(x + (size_t)m * K, K, qx + m * xb, s->dx + (size_t)m * nb, s->xsum + m * xsb);
+    for (int m0 = 0; m0 < M; m0 += MB) {
+        const int m1 = m0 + MB < M ? m0 + MB : M;
+        #pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            int fmt;
+            size_t rb;
+            const uint8_t *row = lin_row(L, n, &fmt, &rb);
+            for (size_t off = 0; off < rb; off += 64)  /* as in linear_few_rows_omp */
+                _mm_prefetch((const char *)(row + 2 * rb + off), _MM_HINT_T0);
+            for (int r0 = m0; r0 < m1; r0 += R8) {
+                const int R = m1 - r0 < R8 ? m1 - r0 : R8;
+                float out[R8];
+                dot_rows_q8(fmt, row, nb, R, qx + r0 * xb, xb, s->dx + (size_t)r0 * nb,
+                            s->xsum + r0 * xsb, out);
+                for (int r = 0; r < R; r++)
+                    y[(size_t)(r0 + r) * N + n] = out[r] + (L->bias ? L->bias[n] : 0.0f);
+            }
+        }
+    }
+    #pragma omp barrier
+}
+
 /* One linear inside a parallel region: the prep by one thread, then the rows shared out. */
 static void linear_omp(const tri_lin *L, const float *x, int M, float *y, const lin_scratch *s) {
-    const int q16 = lin_int16(L);
+    const int act = lin_activations(L), q16 = act == ACT_INT16;
+    if (act == ACT_INT8) {
+        linear_q8_omp(L, x, M, y, s);
+        return;
+    }
     if (!few_rows(M, q16)) {
         linear_tiles_omp(L, x, M, y, s->tiles);
         return;
@@ -924,8 +1228,9 @@ static void linear_omp(const tri_lin *L, const float *x, int M, float *y, const 
     linear_few_rows_omp(L, x, M, y, s->xsum, q16 ? s->qx : NULL, s->dx);
 }
 
-/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the layer L describes. With int16_activations, up
- * to 3 rows of x go through the int16 variant (see few_rows, lin_int16). Returns 0, -1 on a bad
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the layer L describes. With int16 activations, up
+ * to 3 rows of x go through the int16 variant (see few_rows); with int8, every row (see
+ * lin_activations). Returns 0, -1 on a bad
  * description, -2 when scratch memory cannot be had. */
 int tri_linear(const tri_lin *L, const float *x, int M, float *y, int nthreads) {
     if (!lin_valid(L) || M < 0 || nthreads < 1)

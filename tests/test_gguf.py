@@ -196,28 +196,38 @@ def teacher_forced(model: Any, ids: list[int], page_size: int = 16,
     return torch.stack(rows)
 
 
+# The stated tolerances of the approximate activations (docs/kernels.md): perplexity of a fixed
+# text within ``ppl`` of the exact path, the same most likely next token at >= ``agree`` of its
+# positions, and whether the greedy ids on the parity prompts are the same, one at a time.
+ACTIVATION_TOLERANCE = {"int16": (0.02, 0.99, True), "int8": (0.02, 0.90, False)}
+
+
 @needs_smollm2
-def test_smollm2_int16_activations_within_tolerance(smollm2: tuple[Any, Any]) -> None:
-    """The opt-in int16-activation path is not exact; its stated tolerance (docs/kernels.md):
-    perplexity within 2% of the exact path on a fixed text, the same most likely next token at
-    >= 99% of its positions, and the same greedy ids on the parity prompts, one at a time."""
+@pytest.mark.parametrize("activations", sorted(ACTIVATION_TOLERANCE))
+def test_smollm2_approximate_activations_within_tolerance(smollm2: tuple[Any, Any],
+                                                          activations: str) -> None:
+    """The opt-in int16 and int8 activations are not exact; each within its stated tolerance,
+    decoding one token at a time (where both run)."""
     model, tokenizer = smollm2
     if cpu.load() is None:
         pytest.skip("the CPU kernels do not build here")
-    fast = load_model(SMOLLM2, int16_activations=True)
-    assert fast.model.layers[0].self_attn.qkv_proj.packed.int16_activations
+    ppl, agree_at_least, same_greedy = ACTIVATION_TOLERANCE[activations]
+    fast = load_model(SMOLLM2, activations=activations)
+    assert fast.model.layers[0].self_attn.qkv_proj.packed.activations == activations
     ids = tokenizer.encode(TOLERANCE_TEXT)[:128]
     exact, approx = teacher_forced(model, ids), teacher_forced(fast, ids)
+    assert not torch.equal(exact, approx)  # the approximate kernels did run
     target = torch.tensor(ids[1:])[:, None]
     ppl_exact = math.exp(-exact.gather(1, target).mean().item())
     ppl_approx = math.exp(-approx.gather(1, target).mean().item())
-    assert abs(ppl_approx / ppl_exact - 1) < 0.02, (ppl_exact, ppl_approx)
+    assert abs(ppl_approx / ppl_exact - 1) < ppl, (ppl_exact, ppl_approx)
     agree = (exact.argmax(-1) == approx.argmax(-1)).float().mean().item()
-    assert agree >= 0.99, agree
-    prompts = [tokenizer.encode(p) for p in RAW_PROMPTS]
-    prompts += [chat_ids(tokenizer, q) for q in CHAT_PROMPTS]
-    for prompt in prompts:  # alone: batch 1, where the int16 kernels run
-        assert run_greedy(fast, [prompt], NEW_TOKENS) == run_greedy(model, [prompt], NEW_TOKENS)
+    assert agree >= agree_at_least, agree
+    if same_greedy:
+        prompts = [tokenizer.encode(p) for p in RAW_PROMPTS]
+        prompts += [chat_ids(tokenizer, q) for q in CHAT_PROMPTS]
+        for prompt in prompts:  # alone: batch 1, where the int16 kernels run
+            assert run_greedy(fast, [prompt], NEW_TOKENS) == run_greedy(model, [prompt], NEW_TOKENS)
 
 
 TOLERANCE_TEXT = " ".join(RAW_PROMPTS + CHAT_PROMPTS) + (
@@ -519,12 +529,12 @@ def assert_one_call_step_is_exact(model: Any) -> None:
 
 
 @needs_smollm2
-@pytest.mark.parametrize("int16", [False, True])
+@pytest.mark.parametrize("activations", ["exact", "int16", "int8"])
 def test_smollm2_one_call_decode_step_is_the_op_by_op_step(smollm2: tuple[Any, Any],
-                                                            int16: bool) -> None:
+                                                            activations: str) -> None:
     if cpu.load() is None:
         pytest.skip("the CPU kernels do not build here")
-    model = smollm2[0] if not int16 else load_model(SMOLLM2, int16_activations=True)
+    model = smollm2[0] if activations == "exact" else load_model(SMOLLM2, activations=activations)
     assert_one_call_step_is_exact(model)
     assert model.one_call_decode
 

@@ -69,11 +69,13 @@ class Settings(BaseSettings):
         "blocks (4-16 bits a weight, read by the CPU kernels with fp32 math) where those kernels "
         "run (CPU, float32); false: dequantized to dtype at load, as Q2_K, Q3_K and IQ4 are.",
     )
-    int16_activations: bool = Field(
-        False,
-        description="With kept GGUF blocks: decode-sized matrix products round activations to "
-        "int16 per 32 values and multiply in integers (faster at batch 1-3, not exact: see "
-        "docs/kernels.md for its measured tolerance).",
+    activations: Literal["exact", "int16", "int8"] = Field(
+        "exact",
+        description="With kept GGUF blocks, how the CPU kernels multiply activations with them: "
+        "exact (fp32 math, the same as dequantized weights); int16 (decode-sized products round "
+        "activations to int16 per 32 values: Q4_0, Q4_1, Q4_K, Q6_K, Q8_0); int8 (every product "
+        "of every block format rounds them to int8 per 32 values, as llama.cpp does: the "
+        "fastest, not exact). Tolerances measured in docs/kernels.md.",
     )
 
     worker_max_restarts: int = Field(

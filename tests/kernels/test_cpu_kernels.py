@@ -81,9 +81,51 @@ def test_parts_in_different_formats_are_one_product(rows: int) -> None:
     torch.testing.assert_close(ops.linear(x, fused, b).double(), want, rtol=1e-5,
                                atol=1e-5 * want.abs().max().item())
     # int16 activations: every part's format has the kernel (x rounded once, one layout)
-    err = ((ops.linear(x, fused.with_int16_activations(), b).double() - want).norm()
+    err = ((ops.linear(x, fused.with_activations("int16"), b).double() - want).norm()
            / want.norm()).item()
     assert (1e-8 < err < 2e-4) if rows < 4 else err < 1e-6, err
+    # int8 activations: every part (x rounded once; both layouts prepared)
+    x8 = int8_exact_x(rows, 512, g)
+    want8 = x8.double() @ dense.double().T + b.double()
+    got8 = ops.linear(x8, fused.with_activations("int8"), b).double()
+    assert ((got8 - want8).norm() / want8.norm()).item() < 1e-6
+
+
+def int8_exact_x(rows: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """x that rounds to int8 per 32-block without loss: integers times 1/4, each block's largest
+    magnitude 127/4 (so its scale is 1/4 and every value is a multiple of it)."""
+    x = torch.randint(-127, 128, (rows, k), generator=g).float()
+    x.view(rows, k // 32, 32)[:, :, 5] = 127.0
+    return x / 4
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("rows", [1, 2, 9, 130])
+def test_int8_activations_are_exact_where_x_is_int8(fmt: str, rows: int) -> None:
+    """Where rounding x to int8 loses nothing, the int8 kernels' product is the float64 one:
+    every code, high bit, scale and offset is read right, at 1 row, in passes of 8 rows (9: 8 and
+    1) and across 64-row passes (130). 16-bit float weights take the exact kernels."""
+    g = torch.Generator().manual_seed(rows * 100 + FORMATS[fmt])
+    for k in widths(fmt):
+        packed, dense = packed_random(fmt, 70, k, g)
+        x, b = int8_exact_x(rows, k, g), torch.randn(70, generator=g)
+        want = x.double() @ dense.double().T + b.double()
+        got = ops.linear(x, packed.with_activations("int8"), b).double()
+        assert ((got - want).norm() / want.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_int8_activations_round_x_per_block(fmt: str) -> None:
+    """Random x: within int8 rounding of the float64 product (relative error ~0.3-1.3% on random
+    blocks, whose offsets are large), not exact; 16-bit float weights stay exact."""
+    g = torch.Generator().manual_seed(FORMATS[fmt])
+    for k in widths(fmt):
+        packed, dense = packed_random(fmt, 70, k, g)
+        x = torch.randn(5, k, generator=g)
+        want = x.double() @ dense.double().T
+        err = ((ops.linear(x, packed.with_activations("int8")).double() - want).norm()
+               / want.norm()).item()
+        assert err < 1e-6 if fmt in ("F16", "BF16") else 1e-4 < err < 3e-2, err
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
@@ -112,7 +154,7 @@ def test_linear_with_int16_activations_is_close(fmt: str, rows: int, k: int) -> 
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(64, k, generator=g) * 0.05
     packed, dense = pack(w, fmt)
-    packed = PackedWeight(packed.fmt, packed.data, packed.in_features, int16_activations=True)
+    packed = packed.with_activations("int16")
     x = torch.randn(rows, k, generator=g)
     want = (x.double() @ dense.double().T).float()
     got = ops.linear(x, packed)
@@ -127,7 +169,7 @@ def test_int16_activations_on_k_quants(fmt: str, rows: int) -> None:
     stays exact whatever the flag."""
     g = torch.Generator().manual_seed(rows)
     packed, dense = packed_random(fmt, 64, 768, g)
-    packed = packed.with_int16_activations()
+    packed = packed.with_activations("int16")
     x = torch.randn(rows, 768, generator=g)
     want = (x.double() @ dense.double().T).float()
     err = ((ops.linear(x, packed) - want).norm() / want.norm()).item()

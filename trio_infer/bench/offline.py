@@ -64,9 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-gguf-blocks", action="store_true",
                    help="dequantize a GGUF model's weights at load (the torch path) instead of "
                    "keeping its Q4_0/Q4_1/Q8_0 blocks for the CPU kernels (the default)")
-    p.add_argument("--int16-activations", action="store_true",
-                   help="the opt-in int16-activation kernels at decode (not exact; see "
-                   "docs/kernels.md)")
+    p.add_argument("--activations", choices=("exact", "int16", "int8"), default="exact",
+                   help="how the CPU kernels multiply activations with GGUF blocks (int16, "
+                   "int8: not exact; see docs/kernels.md)")
     p.add_argument(
         "--threads",
         type=int,
@@ -343,7 +343,7 @@ def build_engine(path: Path, args: argparse.Namespace, workload: list[BenchReque
 
     model = load_model(path, dtype=torch_dtype(args.dtype), device="cpu",
                        keep_blocks=False if args.no_gguf_blocks else None,
-                       int16_activations=args.int16_activations)
+                       activations=args.activations)
     tokens = sum(r.prompt_len + r.output_len for r in workload)
     config = engine_config(args, tokens, kv_bytes_per_token(model.info), prefix_cache)
     return Engine(model, config, device="cpu")
@@ -387,7 +387,7 @@ def main(args: argparse.Namespace) -> int:
         f"shared), output {args.output_len}, seed {args.seed}: {prompt_tokens:,} prompt tokens, "
         f"{wanted:,} output tokens wanted, token ids {first_id}..{end_id - 1} of {vocab}; model "
         f"{path}, {args.dtype}{', GGUF blocks dequantized' if args.no_gguf_blocks else ''}"
-        f"{', int16 activations' if args.int16_activations else ''}, {threads} torch threads, "
+        f"{'' if args.activations == 'exact' else f', {args.activations} activations'}, {threads} torch threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}",
         flush=True,
     )

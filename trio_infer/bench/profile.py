@@ -206,7 +206,7 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
         f"\ndecode at batch {batch}, context {ctx}..{ctx + max(made.values()) + warm_steps + steps}"
         f" (mean {avg_ctx:.0f}), {args.dtype}"
         f"{', GGUF blocks dequantized' if args.no_gguf_blocks else ''}"
-        f"{', int16 activations' if args.int16_activations else ''}, {threads} torch threads, "
+        f"{'' if args.activations == 'exact' else f', {args.activations} activations'}, {threads} torch threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}; model {path}"
     )
     rows = [

@@ -430,7 +430,7 @@ class LlamaForCausalLM(nn.Module):
         cos_sin_cache: torch.Tensor,
         device: torch.device,
         packed: Mapping[str, str | tuple[str, ...]] | None = None,
-        int16_activations: bool = False,
+        activations: str = "exact",
     ) -> None:
         super().__init__()
         packed = packed or {}
@@ -445,10 +445,10 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = self.model.embed_tokens.weight
         else:
             self.lm_head = _table(spec, dtype, device, packed.get("lm_head"))
-        if int16_activations:
+        if activations != "exact":
             for module in self.modules():
                 if getattr(module, "packed", None) is not None:
-                    module.packed = module.packed.with_int16_activations()
+                    module.packed = module.packed.with_activations(activations)
             if spec.tie_word_embeddings and self.lm_head.packed is not None:
                 self.lm_head.packed = self.model.embed_tokens.packed
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)

@@ -88,7 +88,7 @@ def load_model(
     device: str | torch.device = "cpu",
     served_name: str | None = None,
     keep_blocks: bool | None = None,
-    int16_activations: bool = False,
+    activations: str = "exact",
 ) -> CausalLM:
     """Build the model of the checkpoint at ``path`` on ``device`` and load its weights.
 
@@ -97,8 +97,9 @@ def load_model(
     kernels read (:data:`kernels.cpu.FORMATS`: F16, BF16, Q4_0 to Q8_0, Q4_K, Q5_K, Q6_K) stay in
     it when ``keep_blocks`` is true, or is None and :func:`packing_possible` says they can run
     here; every other GGUF weight is dequantized to ``dtype`` (with a warning naming the type and
-    the memory it takes, when it is a linear weight that a block format would have kept small). ``int16_activations`` makes kept blocks take the int16-activation kernels at decode
-    (see :class:`~kernels.cpu.PackedWeight`).
+    the memory it takes, when it is a linear weight that a block format would have kept small). ``activations`` says how
+    the CPU kernels multiply activations with kept blocks: exact, or rounded to int16 or int8
+    (see :data:`kernels.cpu.ACTIVATIONS`).
     ``dtype`` defaults to :func:`default_dtype`. The served name is ``served_name``, else the
     folder's ``served_name`` file, else the hub id for a folder inside the Hugging Face cache, else
     the folder name, or for a GGUF file its known name or file stem (see
@@ -156,7 +157,7 @@ def load_model(
     cos_sin_cache = build_cos_sin_cache(
         config, spec.head_dim, spec.max_position_embeddings, device, freq_factors
     )
-    model = LlamaForCausalLM(spec, info, cos_sin_cache, device, packed, int16_activations)
+    model = LlamaForCausalLM(spec, info, cos_sin_cache, device, packed, activations)
     model.load_weights(weights(f"Loading {info.name}"))
     return model.eval()
 

@@ -90,7 +90,7 @@ def build_engine(settings: Settings, progress: Progress | None = None) -> Engine
     with _counting_tensors(report):
         model = load_model(path, dtype=dtype, device=device, served_name=settings.served_model_name,
                            keep_blocks=None if settings.keep_gguf_blocks else False,
-                           int16_activations=settings.int16_activations)
+                           activations=settings.activations)
     report("engine", None, None)
     return Engine(model, config, device=device, grammars=build_grammars(model, build_tokenizer(settings)))
 
