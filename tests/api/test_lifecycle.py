@@ -335,15 +335,15 @@ async def test_a_crashed_worker_fails_requests_and_turns_health_503(tokenizer, a
 async def test_unexpected_error_mid_stream_becomes_an_error_event(tokenizer, autojump_clock, monkeypatch) -> None:
     """Trap 6: an exception after the first byte must not truncate the body."""
     calls = [0]
-    real = render.ChunkWriter.delta
+    real = render.CompletionSerializer.write
 
-    def flaky(self, delta):  # type: ignore[no-untyped-def]
+    def flaky(self, events):  # type: ignore[no-untyped-def]
         calls[0] += 1
         if calls[0] == 2:
             raise ValueError("formatting bug")
-        return real(self, delta)
+        return real(self, events)
 
-    monkeypatch.setattr(render.ChunkWriter, "delta", flaky)
+    monkeypatch.setattr(render.CompletionSerializer, "write", flaky)
     app = make_app(tokenizer)
     async with running(app) as client:
         with trio.fail_after(60):
