@@ -12,7 +12,7 @@ logprobs, a finish. :class:`ResponseEvents` turns them into events that say what
 
 Every event names its choice (``index``). A serializer (``api/render.py``: chat completions,
 completions) only renders events; an API added later is one more serializer over the same events.
-The events of a whole (non-streamed) answer are the same, from :func:`whole_events`.
+The events of a whole (non-streamed) answer are the same, from :meth:`ResponseEvents.whole`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence, Union
 if TYPE_CHECKING:
     from trio_infer.api.plans import Plan
     from trio_infer.api.tools import CallStream
-    from trio_infer.runtime.text_stream import ChoiceDelta
+    from trio_infer.runtime.text_stream import ChoiceDelta, ChoiceText
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +98,10 @@ class ResponseEvents:
         self._want_lp = plan.logprobs is not None
         # With tools: each choice's call scanner (or its text so far, held); None otherwise.
         self._calls: dict[int, CallStream | list[str]] | None = {} if plan.tools is not None else None
+
+    def whole(self, choice: ChoiceText) -> list[Event]:
+        """The events of a finished choice's whole text (a non-streamed answer)."""
+        return parsed_events(self.plan, choice.index, choice.text, choice.finish_reason or "stop")
 
     def feed(self, deltas: Sequence[ChoiceDelta]) -> list[Event]:
         """The events of one read of the text stream (its deltas, choice by choice)."""

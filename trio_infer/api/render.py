@@ -20,7 +20,6 @@ from trio_infer.api.events import (
     ToolCallArguments,
     ToolCallStart,
     gather,
-    parsed_events,
 )
 from trio_infer.api.plans import Plan
 
@@ -213,7 +212,9 @@ class Serializer:
                         i += 1
                 out.append(self._text(e, finish))  # type: ignore[arg-type]
             elif kind is Finish:
-                # Alone: the end of a choice that has no text left to say.
+                # Alone: the end of a choice that has no text left to say. With logprobs asked
+                # every text chunk has a logprobs object, this one an empty one (tool-call
+                # chunks have none: logprobs are not streamed with tools).
                 lps = [] if self._want_lp and self._merge_finish else None
                 out.append(self._text(Content(e.index, "", lps), e.reason))  # type: ignore[union-attr]
             else:
@@ -229,8 +230,9 @@ class Serializer:
         """The last chunk of a stream that asked for ``include_usage``."""
         return sse.event({**self._head, "choices": [], "usage": usage(self.plan, choices)})
 
-    def response(self, choices: Sequence[ChoiceText]) -> dict[str, Any]:
-        """The whole (non-streamed) response."""
+    def response(self, choices: Sequence[ChoiceText], events: Sequence[Sequence[Event]]) -> dict[str, Any]:
+        """The whole (non-streamed) response: ``events[i]`` are what ``choices[i]`` says
+        (``ResponseEvents.whole``)."""
         raise NotImplementedError
 
     def _text(self, e: Content, finish: str | None) -> str:
@@ -280,11 +282,11 @@ class ChatSerializer(Serializer):
             return ""
         return self._chunk(e.index, _fields({"delta": {"tool_calls": [call]}, "logprobs": None}), None)
 
-    def response(self, choices: Sequence[ChoiceText]) -> dict[str, Any]:
+    def response(self, choices: Sequence[ChoiceText], events: Sequence[Sequence[Event]]) -> dict[str, Any]:
         plan = self.plan
         out = []
-        for c in choices:
-            said = gather(parsed_events(plan, c.index, c.text, c.finish_reason or "stop"))
+        for c, choice_events in zip(choices, events):
+            said = gather(choice_events)
             message: dict[str, Any] = {"role": "assistant", "content": said.content}
             if said.reasoning is not None:
                 message["reasoning_content"] = said.reasoning
@@ -336,7 +338,8 @@ class CompletionSerializer(Serializer):
             self._offsets[index] += sum(len(t) for t in lp["tokens"])
         return self._chunk(index, '"text":' + _encode(text) + ',"logprobs":' + sse.dumps(lp), finish)
 
-    def response(self, choices: Sequence[ChoiceText]) -> dict[str, Any]:
+    def response(self, choices: Sequence[ChoiceText], events: Sequence[Sequence[Event]]) -> dict[str, Any]:
+        # The text is each choice's whole text: completions have nothing but content.
         plan = self.plan
         out = []
         for c in choices:

@@ -375,7 +375,9 @@ async def _complete(state: ServerState, plan: Plan) -> Response:
     ) as text:
         async for _ in text:
             pass
-    return json_response(serializer(plan, state.texts).response(text.choices))
+    said = ResponseEvents(plan)
+    body = serializer(plan, state.texts).response(text.choices, [said.whole(c) for c in text.choices])
+    return json_response(body)
 
 
 async def _stream(state: ServerState, plan: Plan) -> Response:
