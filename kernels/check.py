@@ -1,15 +1,17 @@
-"""GPU check: every Triton kernel against its reference and timed against torch, then an
-end-to-end greedy generation with the Triton backend against the torch reference backend.
+"""GPU check of the kernels: every Triton kernel against its reference and timed against torch.
 
-    python -m kernels.check                 # everything (a few minutes at most on one H200)
-    python -m kernels.check --skip-e2e      # kernels only
+    python -m kernels.check                 # every kernel (a minute or two on one H200)
     python -m kernels.check --peak-gbps 3350  # HBM peak of a GPU the table below does not know
     python -m kernels.check --sweep         # also time other tile configurations (tuning data)
 
+This package stands alone (it imports nothing from ``trio_infer``): the end-to-end check, a
+greedy generation through the engine with the Triton backend against the torch reference backend,
+is ``python -m trio_infer.gpu_check``, which runs these tables first.
+
 Without a CUDA device it prints why it has nothing to do and exits 0, so CI on CPU machines can
-run it too. Exit status 1 means a correctness failure (a kernel outside its tolerance, or the
-fp32 end-to-end run producing different tokens); a performance target that is missed is printed
-as ``MISS`` but does not fail the run: the targets are where tuning should get to.
+run it too. Exit status 1 means a correctness failure (a kernel outside its tolerance); a
+performance target that is missed is printed as ``MISS`` but does not fail the run: the targets
+are where tuning should get to.
 
 What each table reports, per case:
 
@@ -29,7 +31,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -395,96 +396,30 @@ def sweep(
         print(f"{cfg:<50} {ms:8.3f} ms {flops / ms / 1e9:8.1f} TFLOP/s")
 
 
-# -- end to end ---------------------------------------------------------------------------------
-
-
-def check_end_to_end(dev: torch.device, shape: str = "small", num_prompts: int = 24) -> bool:
-    """Greedy generation on a random "small" checkpoint, Triton backend vs torch reference.
-
-    fp32 must agree token for token (both backends compute in fp32; only summation order
-    differs). bf16 is reported: rounding differences may flip a near-tie late in a sequence.
-    """
-    from kernels import ops
-    from trio_infer.engine.engine import Engine, EngineConfig
-    from trio_infer.engine.params import SamplingParams
-    from trio_infer.models.loader import load_model
-    from trio_infer.models.synthetic import SHAPES, build_random_checkpoint
-
-    print("\n== end to end: greedy generation, Triton backend vs torch reference backend")
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 1000, (int(n),), generator=gen).tolist()
-               for n in torch.randint(1, 400, (num_prompts,), generator=gen)]
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    config = EngineConfig(page_size=16, num_pages=2048, max_running=64, max_batched_tokens=2048)
-
-    def generate(model: object) -> tuple[list[list[int]], float]:
-        engine = Engine(model, config, device=str(dev))
-        for uid, prompt in enumerate(prompts):
-            engine.add_request(uid, prompt, params)
-        out: list[list[int]] = [[] for _ in prompts]
-        _sync(dev)
-        start = time.perf_counter()
-        while engine.has_unfinished():
-            for o in engine.step():
-                out[o.uid].extend(o.token_ids)
-        _sync(dev)
-        return out, time.perf_counter() - start
-
-    ok = True
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        path = build_random_checkpoint(tmp, "Qwen3ForCausalLM", **SHAPES[shape])
-        print(f"built a random {shape!r} Qwen3 checkpoint in {time.perf_counter() - t0:.1f}s")
-        for dtype in (torch.float32, torch.bfloat16):
-            model = load_model(path, dtype=dtype, device=dev)
-            triton_out, triton_s = generate(model)
-            with ops.forced_reference():
-                ref_out, ref_s = generate(model)
-            same = sum(a == b for a, b in zip(triton_out, ref_out))
-            prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-                      for a, b in zip(triton_out, ref_out)]
-            tokens = sum(len(o) for o in triton_out)
-            verdict = "yes" if same == len(prompts) else ("NO" if dtype == torch.float32 else "~")
-            print(
-                f"{str(dtype):<15} identical sequences {same}/{len(prompts)} {verdict:>3}  "
-                f"min common prefix {min(prefix)}/{params.max_tokens}  "
-                f"triton {tokens / triton_s:8.0f} tok/s  reference {tokens / ref_s:8.0f} tok/s"
-            )
-            if dtype == torch.float32 and same != len(prompts):
-                ok = False
-            del model
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-    return ok
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m kernels.check",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--skip-e2e", action="store_true", help="kernels only")
-    parser.add_argument("--peak-gbps", type=float, help="HBM peak of this GPU, GB/s")
-    parser.add_argument("--sweep", action="store_true", help="also time other tile configs")
-    args = parser.parse_args(argv)
-
+def cuda_device(prog: str, no_gpu_message: str = NO_GPU_MESSAGE) -> torch.device | None:
+    """The CUDA device to check, or None (after printing ``no_gpu_message``) when there is none.
+    Raises SystemExit(1) when CUDA is there but Triton does not import: a CUDA machine must have
+    a working Triton for the GPU engine."""
     if not torch.cuda.is_available():
-        print(NO_GPU_MESSAGE)
-        return 0
+        print(no_gpu_message)
+        return None
     try:
-        import triton
-    except Exception as exc:  # a CUDA machine must have a working Triton for the GPU engine
-        print(f"kernels.check: CUDA is available but Triton does not import: {exc!r}")
-        return 1
+        import triton  # noqa: F401
+    except Exception as exc:
+        print(f"{prog}: CUDA is available but Triton does not import: {exc!r}")
+        raise SystemExit(1) from None
+    return torch.device("cuda")
 
-    dev = torch.device("cuda")
-    name = torch.cuda.get_device_name(dev)
-    peak = args.peak_gbps or next((v for k, v in PEAK_GBPS.items() if k in name), None)
+
+def check_kernels(dev: torch.device, peak_gbps: float | None = None, sweep_too: bool = False) -> bool:
+    """Print every kernel's table (and the sweep); True when every kernel is within tolerance."""
+    import triton
+
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
+    peak = peak_gbps or next((v for k, v in PEAK_GBPS.items() if k in name), None)
     print(f"device: {name}; triton {triton.__version__}; torch {torch.__version__}; "
           f"HBM peak {f'{peak:.0f} GB/s' if peak else 'unknown (pass --peak-gbps)'}")
     torch.manual_seed(0)
-    start = time.perf_counter()
     all_ok = True
     sections: list[tuple[str, Callable[[], list[Row]]]] = [
         ("store_kv", lambda: check_store_kv(dev)),
@@ -498,10 +433,29 @@ def main(argv: list[str] | None = None) -> int:
         rows = run()
         _print_table(title, rows, peak)
         all_ok &= all(r.ok for r in rows)
-    if args.sweep:
+    if sweep_too:
         sweep(dev)
-    if not args.skip_e2e:
-        all_ok &= check_end_to_end(dev)
+    return all_ok
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peak-gbps", type=float, help="HBM peak of this GPU, GB/s")
+    parser.add_argument("--sweep", action="store_true", help="also time other tile configs")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kernels.check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    dev = cuda_device("kernels.check")
+    if dev is None:
+        return 0
+    start = time.perf_counter()
+    all_ok = check_kernels(dev, args.peak_gbps, args.sweep)
     print(f"\n{'all correct' if all_ok else 'CORRECTNESS FAILURES above'}; "
           f"{time.perf_counter() - start:.0f}s")
     return 0 if all_ok else 1

@@ -70,8 +70,8 @@ def _heads_contiguous(t: torch.Tensor) -> bool:
 @contextlib.contextmanager
 def forced_reference(enabled: bool = True) -> Iterator[None]:
     """Run the torch references even on CUDA inside the block, as ``TRIO_INFER_KERNELS=reference``
-    does for a whole process; :mod:`kernels.check` uses it to compare both backends end to end in
-    one process. Process-wide, not thread-safe: not for use while an engine serves requests."""
+    does for a whole process; ``trio_infer.gpu_check`` uses it to compare both backends end to
+    end in one process. Process-wide, not thread-safe: not for use while an engine serves requests."""
     global _FORCE_REFERENCE
     saved, _FORCE_REFERENCE = _FORCE_REFERENCE, enabled
     try:

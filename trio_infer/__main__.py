@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import trio
 from pydantic import ValidationError
 
-from trio_infer.settings import Settings
+from trio_infer.settings import Settings, Wiring
 
 log = logging.getLogger("trio_infer")
 
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _add_settings_flags(serve)
     serve.add_argument("--log-level", default="info", help="logging level (default: info)")
+    # Wiring, not settings: what the supervisor of --api-workers hands each front end it starts.
+    serve.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--worker-address", default=None, help=argparse.SUPPRESS)
 
     gen = sub.add_parser("generate", help="complete one prompt offline (no HTTP, no chat template)")
     _add_settings_flags(gen, skip=("host", "port", "api_key", "shutdown_grace_s"))
@@ -77,43 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
 # -- serve ----------------------------------------------------------------------------------------
 
 
-async def serve(settings: Settings, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve until SIGTERM/SIGINT, then shut down gracefully (see the module docstring)."""
-    from hypercorn.config import Config
+async def serve(
+    settings: Settings, wiring: Wiring = Wiring(), *, task_status: Any = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve until SIGTERM/SIGINT, then shut down gracefully (see the module docstring).
+    ``wiring``: what a supervisor (``--api-workers``) hands one of its front ends."""
     from hypercorn.trio import serve as hypercorn_serve
 
     from trio_infer.app import create_app, drain
+    from trio_infer.server import configure
 
-    app = create_app(settings)
-    config = Config()
-    # --api-workers: the supervisor hands each front end the listening socket it bound.
-    if settings.listen_fd is not None:
-        config.bind = [f"fd://{settings.listen_fd}"]
-    else:
-        config.bind = [f"{settings.host}:{settings.port}"]
-    # Our own drain has ended every request by the time hypercorn is told to stop; this only
-    # bounds the wait for connections to close.
-    config.graceful_timeout = 2.0
-    # hypercorn's default listen backlog (100) drops the SYNs of a burst of new connections, which
-    # clients retry only after a second: 256 clients arriving at once waited 1-2 s for a first
-    # token. uvicorn's default is 2048; the kernel caps it at net.core.somaxconn.
-    config.backlog = 2048
-    # Connection limits (README, "Connection limits"). keep_alive_timeout also bounds the time to
-    # send a request's headers (hypercorn counts a connection idle until its headers are in).
-    # hypercorn's read_timeout is left unset: it is a per-read idle timeout on the socket, which
-    # would also cut any request the client waits on longer than it without sending anything.
-    config.keep_alive_timeout = settings.keep_alive_timeout_s
-    # hypercorn 0.18 under quart-trio lost the idle timer after every response (trio_infer/keepalive.py).
-    from trio_infer.keepalive import ConnectionCap, patch_keep_alive
-
-    if not patch_keep_alive():
-        log.warning("hypercorn is not 0.18: idle keep-alive connections may never be closed, "
-                    "and max_connections is not enforced")
-    config.connection_cap = ConnectionCap(settings.max_connections)
-    config.h11_max_incomplete_size = settings.max_header_bytes
-    config.h2_max_header_list_size = settings.max_header_bytes
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")  # through our logging setup, once
+    app = create_app(settings, wiring=wiring)
+    config = configure(settings, wiring)  # hypercorn's configuration and our changes to it
     shutdown = trio.Event()
     grace = trio.CancelScope()
 
@@ -126,7 +104,7 @@ async def serve(settings: Settings, *, task_status: Any = trio.TASK_STATUS_IGNOR
     async def watch_signals(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         # A front end of `serve --api-workers` hears only its supervisor (SIGTERM): a Ctrl-C
         # reaches the whole process group, and the supervisor forwards it once.
-        supervised = settings.listen_fd is not None
+        supervised = wiring.supervised
         if supervised:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         watched = (signal.SIGTERM,) if supervised else (signal.SIGTERM, signal.SIGINT)
@@ -167,8 +145,9 @@ def _serve_main(args: argparse.Namespace) -> int:
         return run(settings, str(args.log_level))
     from trio_infer.app import LoadFailed
 
+    wiring = Wiring(listen_fd=args.listen_fd, worker_address=args.worker_address)
     try:
-        trio.run(serve, settings)
+        trio.run(serve, settings, wiring)
     except BaseExceptionGroup as group:
         _, other = group.split(LoadFailed)
         if other is not None:

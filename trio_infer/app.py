@@ -41,7 +41,7 @@ from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import open_engine
 from trio_infer.runtime.errors import EngineUnavailable
 from trio_infer.runtime.protocol import Loading
-from trio_infer.settings import Settings
+from trio_infer.settings import Settings, Wiring
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,12 @@ class LoadFailed(LifespanFailureError):
         self.reason = reason
 
 
-def create_app(settings: Settings | None = None, *, loaded: "tuple[Engine, Any] | None" = None) -> QuartTrio:
-    """A new app serving ``settings``.
+def create_app(
+    settings: Settings | None = None, *, loaded: "tuple[Engine, Any] | None" = None,
+    wiring: Wiring = Wiring(),
+) -> QuartTrio:
+    """A new app serving ``settings`` (``wiring``: how a front end of ``serve --api-workers``
+    reaches the shared worker).
 
     By default the model is loaded by a batching worker process, in the background once the
     server listens. A program that holds an engine and its tokenizer already passes them as
@@ -77,7 +81,7 @@ def create_app(settings: Settings | None = None, *, loaded: "tuple[Engine, Any] 
         # wait 5 s for it at every shutdown (trap 10).
         BACKGROUND_TASK_SHUTDOWN_TIMEOUT=None,
     )
-    state = ServerState(settings, Metrics())
+    state = ServerState(settings, Metrics(), wiring=wiring)
     app.extensions["trio_infer"] = state
     register_error_handlers(app)
     register_routes(app)
@@ -134,7 +138,8 @@ async def _run_engine(
     def on_loading(loading: Loading | None) -> None:
         state.loading = loading
 
-    async with open_engine(state.settings, engine, state.metrics, on_loading=on_loading) as async_engine:
+    async with open_engine(state.settings, engine, state.metrics, on_loading=on_loading,
+                           wiring=state.wiring) as async_engine:
         task_status.started(async_engine)
         await trio.sleep_forever()
 

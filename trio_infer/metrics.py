@@ -1,4 +1,10 @@
-"""Prometheus metrics, one registry per app (no process-global state), vLLM-style names."""
+"""Prometheus metrics, one registry per app (no process-global state), vLLM-style names.
+
+Every family registered here is fed (tests/api/test_metrics.py fails otherwise). There is no
+queue-time histogram (vLLM's ``request_queue_time_seconds``): the front end does not see when
+the worker's scheduler admits a sequence, only its first token (``time_to_first_token``); the
+waiting queue's length is ``requests_waiting``.
+"""
 
 from __future__ import annotations
 
@@ -32,7 +38,6 @@ class Metrics:
         self.time_to_first_token = hist("time_to_first_token_seconds", "Arrival to first token")
         self.inter_token_latency = hist("inter_token_latency_seconds", "Between output tokens")
         self.e2e_request_latency = hist("e2e_request_latency_seconds", "Arrival to finish")
-        self.request_queue_time = hist("request_queue_time_seconds", "Arrival to first scheduling")
         for reason in ("stop", "length", "abort", "error"):
             self.requests_total.labels(finish_reason=reason)
 

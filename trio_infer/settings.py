@@ -1,13 +1,24 @@
-"""All configuration, from ``TRIO_INFER_*`` environment variables or CLI flags (same names)."""
+"""All configuration, from ``TRIO_INFER_*`` environment variables or CLI flags (same names).
+
+Every knob has one default and one check. The engine's knobs (page size, KV cache, batch limits)
+take their defaults from :class:`~trio_infer.engine.config.EngineConfig` and are checked by
+building one (``EngineConfig.from_settings``, the one place settings become an engine
+configuration). How the processes of ``serve --api-workers`` find each other (a listening
+socket, the worker's address) is no setting: see :class:`Wiring`.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from trio_infer.engine.config import DEFAULT as _ENGINE
+from trio_infer.engine.config import EngineConfig, KVCacheDType
 
 
 class Settings(BaseSettings):
@@ -41,15 +52,20 @@ class Settings(BaseSettings):
     )
 
     # -- engine -------------------------------------------------------------------------------
-    page_size: int = Field(16, ge=1)
-    kv_cache_mb: int = Field(256, ge=1, description="Memory budget for the KV page pool.")
-    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto",
+    page_size: int = Field(_ENGINE.page_size, description="Tokens per KV page.")
+    kv_cache_mb: int = Field(
+        _ENGINE.kv_cache_bytes // 2**20, description="Memory budget for the KV page pool."
+    )
+    kv_cache_dtype: KVCacheDType = Field(
+        _ENGINE.kv_cache_dtype,
         description="Dtype of the KV cache: 'auto' is float16 on the CPU (as llama.cpp; half "
         "the memory of float32, tolerance in docs/kernels.md) and the model's dtype on a GPU.",
     )
-    max_running: int = Field(32, ge=1, description="Sequences decoded together at most.")
-    max_batched_tokens: int = Field(256, ge=1, description="Tokens per step (chunked prefill).")
+    max_running: int = Field(_ENGINE.max_running, description="Sequences decoded together at most.")
+    max_batched_tokens: int = Field(
+        _ENGINE.max_batched_tokens, description="Tokens per step (chunked prefill); at least "
+        "max_running."
+    )
     max_waiting: int = Field(
         256, ge=0, description="Sequences without a first token yet before new requests get 503."
     )
@@ -107,23 +123,12 @@ class Settings(BaseSettings):
         1, ge=1, description="Front-end processes sharing the listening socket, all served by one "
         "batching worker (serve only).",
     )
-    worker_address: str | None = Field(
-        None, description="Connect to a shared batching worker listening on this Unix socket "
-        "instead of starting one (set by serve --api-workers for its front ends).",
-    )
-    worker_connect_timeout_s: float = Field(
-        600.0, gt=0, description="With worker_address: how long to wait for the worker to listen.",
-    )
-    listen_fd: int | None = Field(
-        None, description="Serve on this inherited listening socket instead of host:port (set by "
-        "serve --api-workers for its front ends).",
-    )
 
     # -- server -------------------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = 8000
     # Connection limits (slowloris and the like). hypercorn 0.18 has no cap on concurrent
-    # connections: `serve` adds one (trio_infer/keepalive.py), and the timeouts close idle or
+    # connections: `serve` adds one (trio_infer/server.py), and the timeouts close idle or
     # trickling ones.
     max_connections: int = Field(
         1000, ge=1, description="Open client connections per front-end process; one more is "
@@ -151,9 +156,32 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> "Settings":
-        if self.max_batched_tokens < self.max_running:
-            raise ValueError("max_batched_tokens must be >= max_running")
+        self.engine_config()  # the engine's knobs are checked where they are defined
         return self
+
+    def engine_config(self) -> EngineConfig:
+        """The batching engine's configuration these settings ask for."""
+        return EngineConfig.from_settings(self)
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """How one front end of ``serve --api-workers`` is joined to the others: not a setting (a
+    user never sets it), what the supervisor hands each front end it starts (as ``serve``'s
+    hidden ``--listen-fd`` and ``--worker-address``). The default is a front end on its own:
+    it binds ``host:port`` and starts its own batching worker.
+    """
+
+    # Serve on this inherited listening socket (the supervisor's) instead of binding host:port.
+    listen_fd: int | None = None
+    # Connect to the shared batching worker listening on this Unix socket instead of starting one.
+    worker_address: str | None = None
+    # How long to wait for that worker to listen (it may still be loading the model).
+    worker_connect_timeout_s: float = 600.0
+
+    @property
+    def supervised(self) -> bool:
+        return self.listen_fd is not None
 
 
 def worker_environment(settings: Settings) -> dict[str, str]:

@@ -53,13 +53,11 @@ async def supervise(settings: Settings, log_level: str) -> int:
         async with trio.open_nursery() as nursery:
             worker_scope = trio.CancelScope()
             nursery.start_soon(_run_worker, settings, address, n, worker_scope, give_up)
-            env = {**os.environ, **_settings_env(settings),
-                   "TRIO_INFER_API_WORKERS": "1",
-                   "TRIO_INFER_WORKER_ADDRESS": address,
-                   "TRIO_INFER_LISTEN_FD": str(listener.fileno())}
+            env = {**os.environ, **_settings_env(settings), "TRIO_INFER_API_WORKERS": "1"}
             for _ in range(n):
                 front_ends.append(await trio.lowlevel.open_process(
-                    [sys.executable, "-m", "trio_infer", "serve", "--log-level", log_level],
+                    [sys.executable, "-m", "trio_infer", "serve", "--log-level", log_level,
+                     "--listen-fd", str(listener.fileno()), "--worker-address", address],
                     env=env, pass_fds=(listener.fileno(),),
                 ))
             log.info("%d front ends (pids %s) on %s:%d, one batching worker", n,

@@ -11,7 +11,9 @@ from __future__ import annotations
 import gc
 import json
 import re
+import threading
 import weakref
+from functools import partial
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -335,15 +337,15 @@ async def test_a_crashed_worker_fails_requests_and_turns_health_503(tokenizer, a
 async def test_unexpected_error_mid_stream_becomes_an_error_event(tokenizer, autojump_clock, monkeypatch) -> None:
     """Trap 6: an exception after the first byte must not truncate the body."""
     calls = [0]
-    real = render.ChunkWriter.delta
+    real = render.CompletionSerializer.write
 
-    def flaky(self, delta):  # type: ignore[no-untyped-def]
+    def flaky(self, events):  # type: ignore[no-untyped-def]
         calls[0] += 1
         if calls[0] == 2:
             raise ValueError("formatting bug")
-        return real(self, delta)
+        return real(self, events)
 
-    monkeypatch.setattr(render.ChunkWriter, "delta", flaky)
+    monkeypatch.setattr(render.CompletionSerializer, "write", flaky)
     app = make_app(tokenizer)
     async with running(app) as client:
         with trio.fail_after(60):
@@ -368,6 +370,54 @@ async def test_health_answers_while_a_long_generation_runs(tokenizer, autojump_c
                     assert (await client.get("/health")).status_code == 200
                     assert state(app).engine.num_sessions == 1  # the generation is still running
                     await conn.receive()  # keep reading so it is not paused
+
+
+class HeldModel(FakeModel):
+    """The fake model, computing in the worker's step thread (as a real forward pass does), where
+    each forward pass waits until the test releases it: while it waits, a step is known to be in
+    progress."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.instant = False  # stepped in a thread, not inline on the event loop
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.computing = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.computing = True
+        self.entered.set()
+        self.release.wait(timeout=120)  # bounded: a broken test fails rather than hangs
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.computing = False
+
+
+async def test_health_stays_fast_while_the_model_computes(tokenizer) -> None:
+    """``/health`` is answered while an engine step is in progress, not after it: the model's
+    forward pass is held until the answers are in. No timing is asserted; a server whose event
+    loop waited for the step would answer only after the release (then ``computing`` is False)
+    or never."""
+    model = HeldModel(vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids(IM_END))
+    app = make_app(tokenizer, fake_engine(tokenizer, model=model))
+    async with running(app) as client:
+        try:
+            with trio.fail_after(120):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(partial(client.post, "/v1/completions",
+                                               json=completion(max_tokens=3)))
+                    await trio.to_thread.run_sync(model.entered.wait)  # a step is computing
+                    for _ in range(3):
+                        r = await client.get("/health")
+                        assert r.status_code == 200 and (await r.get_json()) == {"status": "ok"}
+                        status = await (await client.get("/v1/status")).get_json()
+                        assert model.computing and not model.release.is_set()  # still in the step
+                    assert status["requests"]["sessions"] == 1
+                    model.release.set()
+        finally:
+            model.release.set()
+        assert all_zero(app)
 
 
 async def test_streams_longer_than_quarts_60s_response_timeout_complete(tokenizer, autojump_clock) -> None:

@@ -364,7 +364,10 @@ def test_client_timeout_mid_non_stream_frees_the_server(server: Server) -> None:
     assert metric(text, "trio_infer_generation_tokens_total") - before < 3000
 
 
-def test_health_stays_fast_while_the_model_computes(server: Server, record_property) -> None:  # type: ignore[no-untyped-def]
+def test_health_answers_200_while_a_stream_runs(server: Server, record_property) -> None:  # type: ignore[no-untyped-def]
+    """A real server answers /health while it streams; the latencies are recorded, not asserted
+    (that a step in progress does not delay /health is asserted, without timing, by
+    test_lifecycle.py::test_health_stays_fast_while_the_model_computes)."""
     body = {"model": server.model, "prompt": "hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}
     latencies = []
     with httpx.Client(base_url=server.url, timeout=30) as http, httpx.Client(base_url=server.url, timeout=30) as probe:
@@ -388,7 +391,6 @@ def test_metrics_endpoint_has_the_required_families(server: Server) -> None:
         "trio_infer_kv_pages_used", "trio_infer_kv_pages_total", "trio_infer_prompt_tokens_total",
         "trio_infer_generation_tokens_total", "trio_infer_time_to_first_token_seconds_count",
         "trio_infer_inter_token_latency_seconds_count", "trio_infer_e2e_request_latency_seconds_count",
-        "trio_infer_request_queue_time_seconds_count",
     ]:
         assert re.search(rf"^{name}(\{{.*\}})? ", text, re.M), name
     for reason in ("stop", "length", "abort", "error"):

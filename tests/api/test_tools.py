@@ -23,6 +23,7 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from trio_infer.api.events import ToolCallArguments, ToolCallStart
 from trio_infer.api.tools import HERMES, JSON, CallStream, ToolPlan
 
 from .test_server import Server, start_server
@@ -306,10 +307,11 @@ def test_call_stream_reads_calls_in_any_chunking(step: int) -> None:
             events += scanner.feed(text[i : i + step])
         calls: dict[int, list[str]] = {}
         for event in events:
-            if event[0] == "call":
-                calls[event[1]] = [event[3], ""]
+            if isinstance(event, ToolCallStart):
+                calls[event.call] = [event.name, ""]
             else:
-                calls[event[1]][1] += event[2]
+                assert isinstance(event, ToolCallArguments)
+                calls[event.call][1] += event.text
         return calls, scanner.rest()
 
     tricky = '{"x":"}\\"]","y":[1,{"z":2}]}'

@@ -17,7 +17,6 @@ from typing import TypeVar
 
 from hypothesis import strategies as st
 
-from . import known_bugs
 from .char_tokenizer import ALPHABET, MESSAGE_CHARS, CharTokenizer
 from .scenario import (
     VOCAB,
@@ -76,7 +75,7 @@ def clients(draw: st.DrawFn, kinds: tuple[str, ...] = ALL_KINDS) -> Client:
     if kind == "stall":
         return Client(kind, delay=float(draw(st.integers(1, 60))))
     if kind == "finish":
-        delay = draw(st.integers(0, 24)) / 2 if known_bugs.FINISH_CHOICE_SPIN_FIXED else 0.0
+        delay = draw(st.integers(0, 24)) / 2
         return Client(kind, k=draw(st.integers(1, 6)), delay=delay)
     return Client(kind)
 
@@ -186,8 +185,6 @@ def http_requests(draw: st.DrawFn, shape: EngineShape) -> HttpRequest:
     stop = [s for s in stop if s]
     stream = draw(NOT_BOOLS)  # shrinks to streaming
     kinds = ("read_all", "slow", "leave", "stall", "cancel") if stream else ("read_all", "cancel")
-    if stop and not known_bugs.FINISH_CHOICE_SPIN_FIXED:
-        kinds = tuple(k for k in kinds if k not in ("slow", "stall"))  # see known_bugs.py
     client = draw(clients(kinds))
     return HttpRequest(
         endpoint=endpoint,

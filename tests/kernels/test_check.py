@@ -1,8 +1,11 @@
-"""``python -m kernels.check``: skips cleanly without a GPU, and its code runs (on CPU, through
-the interpreter, with tiny shapes and a stub timer) so it cannot rot between GPU sessions."""
+"""``python -m kernels.check`` and ``python -m trio_infer.gpu_check``: they skip cleanly without a
+GPU, and their code runs (on CPU, through the interpreter, with tiny shapes and a stub timer) so
+it cannot rot between GPU sessions. The ``kernels`` package stands alone: it imports nothing from
+``trio_infer``."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -12,19 +15,47 @@ import pytest
 import torch
 
 from kernels import check
+from trio_infer import gpu_check
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the check really runs")
-def test_check_without_gpu_prints_why_and_exits_0() -> None:
+@pytest.mark.parametrize("module", ["kernels.check", "trio_infer.gpu_check"])
+def test_check_without_gpu_prints_why_and_exits_0(module: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.check"], cwd=REPO, env=env, capture_output=True,
+        [sys.executable, "-m", module], cwd=REPO, env=env, capture_output=True,
         text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == check.NO_GPU_MESSAGE
+    expected = check.NO_GPU_MESSAGE if module == "kernels.check" else gpu_check.NO_GPU_MESSAGE
+    assert proc.stdout.strip() == expected
+
+
+def test_kernels_import_nothing_from_trio_infer() -> None:
+    """Every module of ``kernels/`` imports without importing ``trio_infer``."""
+    code = (
+        "import importlib, pkgutil, sys, kernels\n"
+        "names = sorted(m.name for m in pkgutil.iter_modules(kernels.__path__))\n"
+        "for name in names: importlib.import_module('kernels.' + name)\n"
+        "assert 'check' in names and 'ops' in names, names\n"
+        "print(sorted(m for m in sys.modules if m == 'trio_infer' or m.startswith('trio_infer.')))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    # ... nor later, from inside a function: no import statement of kernels/ names trio_infer.
+    for path in sorted((REPO / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            assert not any(n.split(".")[0] == "trio_infer" for n in names), (path.name, node.lineno)
 
 
 def test_check_tables_dry_run(
@@ -57,4 +88,4 @@ def test_check_tables_dry_run(
 def test_check_end_to_end_dry_run() -> None:
     """The end-to-end part against the real engine API, on CPU (both sides run the references
     there, so it can only check that the code path works, not the kernels)."""
-    assert check.check_end_to_end(torch.device("cpu"), shape="tiny", num_prompts=3)
+    assert gpu_check.check_end_to_end(torch.device("cpu"), shape="tiny", num_prompts=3)

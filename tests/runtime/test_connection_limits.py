@@ -5,8 +5,8 @@ The limits (README, "Connection limits"): ``keep_alive_timeout_s`` closes a conn
 not sent a complete request head in time (idle keep-alive and header slowloris alike) but never
 one whose request is being answered; ``max_header_bytes`` refuses a bigger head with 431;
 ``body_timeout_s`` answers 408 to a body that trickles in too slowly; ``max_connections`` (which
-hypercorn 0.18 lacks: trio_infer/keepalive.py adds it) refuses one connection more at once. An
-idle keep-alive connection is closed after a response too only thanks to trio_infer/keepalive.py.
+hypercorn 0.18 lacks: trio_infer/server.py adds it) refuses one connection more at once. An
+idle keep-alive connection is closed after a response too only thanks to trio_infer/server.py.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def test_header_slowloris_is_closed_after_keep_alive_timeout(url: str) -> None:
 
 
 def test_idle_keep_alive_connection_is_closed(url: str) -> None:
-    """Failed before trio_infer/keepalive.py: hypercorn 0.18 under quart-trio lost the idle timer
+    """Failed before trio_infer/server.py: hypercorn 0.18 under quart-trio lost the idle timer
     after every response, so this connection stayed open for good."""
     sock = connect(url)
     for _ in range(2):  # keep-alive still works: a second request on the same connection
@@ -190,7 +190,7 @@ def test_body_slowloris_gets_408_after_the_body_timeout(url: str) -> None:
 @pytest.mark.parametrize("keeps_sending", [True, False])
 def test_the_connection_of_a_408_is_closed(url: str, keeps_sending: bool) -> None:
     """hypercorn 0.18 left a Connection: close response's socket open as long as the client kept
-    it (trio_infer/keepalive.py): now it is closed keep_alive_timeout after the 408."""
+    it (trio_infer/server.py): now it is closed keep_alive_timeout after the 408."""
     sock = connect(url)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
     if keeps_sending:
@@ -267,7 +267,8 @@ def test_connections_past_the_cap_are_refused_at_once(url: str) -> None:
         for data, _ in refused:
             head, _, payload = data.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 503") and b"connection: close" in head.lower()
-            assert json.loads(payload)["error"]["code"] == "too_many_connections"
+            error = json.loads(payload)["error"]
+            assert error["code"] == "too_many_connections" and error["type"] == "server_error"
         # The others were let in and then closed, idle, after the keep-alive timeout.
         assert all(data == b"" for data, _ in replies if not data.startswith(b"HTTP"))
         events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]

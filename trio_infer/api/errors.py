@@ -1,8 +1,9 @@
 """OpenAI-format errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
 
 Every path that can answer with an error goes through here, including Quart's own (404 route,
-405 method, 413 body too large) and pydantic's validation errors, so a client never sees an HTML
-page or FastAPI-style ``detail`` list. Nothing internal (tracebacks, exception reprs of unexpected
+405 method, 413 body too large), pydantic's validation errors and the 503 that ``server.py``
+sends a connection past the cap, so a client never sees an HTML page or FastAPI-style ``detail``
+list. A 503 is always of type ``server_error`` (its ``code`` says why). Nothing internal (tracebacks, exception reprs of unexpected
 errors) is leaked; the log gets the details.
 """
 

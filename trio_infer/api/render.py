@@ -1,19 +1,31 @@
-"""Rendering: a request's text (``runtime.text_stream``) as OpenAI response objects and SSE.
+"""Serializers: a request's events (``api/events.py``) as the OpenAI response objects and SSE
+chunks of one API, one class per API: :class:`ChatSerializer` (``/v1/chat/completions``) and
+:class:`CompletionSerializer` (``/v1/completions``). An API added later is one more subclass of
+:class:`Serializer`. They render; they never parse (tool calls arrive as events).
 
-The ``*_response`` functions build whole responses; :class:`ChunkWriter` the chunks of a streamed
-one. :class:`TokenText` gives a token's text and bytes for logprobs.
+:class:`TokenText` gives a token's text and bytes for logprobs.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from trio_infer.api import sse
+from trio_infer.api.events import (
+    Content,
+    Event,
+    Finish,
+    Reasoning,
+    ToolCallArguments,
+    ToolCallStart,
+    gather,
+)
 from trio_infer.api.plans import Plan
-from trio_infer.api.tools import CallStream
-from trio_infer.engine.sampler import TokenLogprob
-from trio_infer.runtime.text_stream import ChoiceDelta, ChoiceText
+
+if TYPE_CHECKING:
+    from trio_infer.engine.sampler import TokenLogprob
+    from trio_infer.runtime.text_stream import ChoiceText
 
 # JSON has no -inf; OpenAI reports "practically impossible" as this.
 _MIN_LOGPROB = -9999.0
@@ -136,31 +148,6 @@ def _head(plan: Plan, obj: str) -> dict[str, Any]:
     return {"id": plan.id, "object": obj, "created": plan.created, "model": plan.model}
 
 
-def chat_message(plan: Plan, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-    """A choice's message and finish reason: with tools, the calls parsed out of the text
-    (``finish_reason`` "tool_calls" when the model ended on calls)."""
-    if plan.tools is None:
-        return {"role": "assistant", "content": text}, finish_reason
-    parsed = plan.tools.parse(text)
-    if not parsed.tool_calls:
-        return {"role": "assistant", "content": parsed.content}, finish_reason
-    message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
-    return message, "tool_calls" if finish_reason == "stop" else finish_reason
-
-
-def chat_response(plan: Plan, choices: Sequence[ChoiceText], texts: TokenText) -> dict[str, Any]:
-    out = []
-    for c in choices:
-        message, finish = chat_message(plan, c.text, c.finish_reason)
-        out.append({
-            "index": c.index,
-            "message": message,
-            "logprobs": chat_logprobs(c.logprobs, texts) if plan.logprobs is not None else None,
-            "finish_reason": finish,
-        })
-    return {**_head(plan, "chat.completion"), "choices": out, "usage": usage(plan, choices)}
-
-
 def _echo_logprobs(plan: Plan, index: int, prompt_lps: Sequence[TokenLogprob | None] | None):  # type: ignore[no-untyped-def]
     """The prompt part of choice ``index``'s logprobs (echo with logprobs), or None."""
     if plan.echo is None or prompt_lps is None:
@@ -168,161 +155,208 @@ def _echo_logprobs(plan: Plan, index: int, prompt_lps: Sequence[TokenLogprob | N
     return plan.prompts[plan.prompt_of(index)], prompt_lps
 
 
-def completion_response(plan: Plan, choices: Sequence[ChoiceText], texts: TokenText) -> dict[str, Any]:
-    out = []
-    for c in choices:
-        echo = plan.echo_of(c.index)
-        lp = None
-        if plan.logprobs is not None:
-            lp = completion_logprobs(
-                c.logprobs, texts, len(echo), _echo_logprobs(plan, c.index, c.prompt_logprobs)
-            )
-        out.append({"index": c.index, "text": echo + c.text, "logprobs": lp,
-                    "finish_reason": c.finish_reason})
-    return {**_head(plan, "text_completion"), "choices": out, "usage": usage(plan, choices)}
+def _fields(obj: dict[str, Any]) -> str:
+    """The members of a JSON object, without its braces: ``{"a":1,"b":2}`` -> ``"a":1,"b":2``."""
+    return sse.dumps(obj)[1:-1]
 
 
-class ChunkWriter:
-    """Renders the chunks of one streamed response (chat or completions) as SSE events.
+_encode = sse.encode_str
 
-    The per-token path does no dict building and no ``json.dumps`` of a whole chunk: the constant
-    head of every chunk (id, object, created, model, usage null) is rendered once per request, and
-    only the text is JSON-encoded per chunk (with the encoder ``json.dumps(ensure_ascii=False)``
-    uses, so the bytes are exactly what :func:`sse.event` of the equivalent object gives). Chunks
-    with logprobs, and the rare ones, go through the generic ``sse.event``.
 
-    A request that may call tools streams calls as OpenAI does: per call, a chunk with its index,
-    id and name (arguments ""), then the arguments in pieces as they are generated, then the
-    finish reason. When the grammar constrains the answer, a :class:`~trio_infer.api.tools.
-    CallStream` reads the calls as the text comes; hermes ``auto`` (unconstrained: a call may
-    start anywhere in the text) is held until its choice ends, then written the same way.
+class Serializer:
+    """One API's rendering of a request's events: its streamed chunks and its whole response.
+
+    A streamed chunk is one choice's say; every chunk of a response has the same head (id,
+    object, created, model, and with ``include_usage`` a null usage), so the head is rendered once
+    per request and a chunk is that prefix, the choice's index, its fields and its finish reason
+    (:meth:`_chunk`): the per-token path builds no dict and JSON-encodes only the text. The bytes
+    are exactly ``sse.event`` of the equivalent object (``json.dumps(ensure_ascii=False)``,
+    compact), which is what tests/api/test_chunk_writer.py checks against the OpenAI objects.
+
+    Subclasses say what the API's chunks hold (:meth:`first`, :meth:`_text`, :meth:`_other`)
+    and what its whole response is (:meth:`response`).
     """
+
+    object_name = ""  # a chunk's "object"
 
     def __init__(self, plan: Plan, texts: TokenText) -> None:
         self.plan = plan
         self.texts = texts
-        self._chat = plan.kind == "chat"
-        obj = "chat.completion.chunk" if self._chat else "text_completion"
-        self._head = _head(plan, obj)
+        self._want_lp = plan.logprobs is not None
+        self._head = _head(plan, self.object_name)
         if plan.include_usage:
             self._head["usage"] = None  # OpenAI: null on every chunk but the usage one
-        # completions text_offset of each choice's next token
-        self._offsets = [len(plan.echo_of(i)) for i in range(plan.num_choices)]
         # 'data: {"id":...,"model":...,"choices":[{"index":' : everything before the index.
-        head = sse.dumps(self._head)
-        self._prefix = 'data: ' + head[:-1] + ',"choices":[{"index":'
-        self._want_lp = plan.logprobs is not None
-        # With tools: each choice's call scanner (or its text so far, held); None otherwise.
-        self._calls: dict[int, CallStream | list[str]] | None = {} if plan.tools is not None else None
+        self._prefix = "data: " + sse.dumps(self._head)[:-1] + ',"choices":[{"index":'
+        # A choice's text and its finish in one chunk (OpenAI sends a plain answer's finish with
+        # its last text, and a tool-calling answer's in a chunk of its own).
+        self._merge_finish = plan.tools is None
 
-    def first(self) -> list[str]:
-        """Chat: the role chunk of each choice. Completions: the echoed prompt, if any (with
-        logprobs the echo waits for the prompt's logprobs, and goes out with the first delta)."""
-        if self._chat:
-            return [
-                sse.event(self._chunk(i, {"delta": {"role": "assistant", "content": ""}, "logprobs": None}))
-                for i in range(self.plan.n)
-            ]
-        if self.plan.echo is not None and not self._want_lp:
-            return [
-                sse.event(self._chunk(i, {"text": self.plan.echo_of(i), "logprobs": None}))
-                for i in range(self.plan.num_choices)
-                if self.plan.echo_of(i)
-            ]
-        return []
+    def first(self) -> str:
+        """What the stream says before any event ("" for nothing)."""
+        return ""
 
-    def delta(self, delta: ChoiceDelta) -> str | None:
-        """The event for one choice's delta, or None when there is nothing to say yet."""
-        if self._calls is not None:
-            return self._tool_delta(self._calls, delta)
-        index = delta.index
-        text = delta.text
-        finish = delta.finish_reason
-        if self._want_lp:
-            if not text and finish is None and not delta.logprobs and delta.prompt_logprobs is None:
-                return None  # nothing to say yet (text held back)
-            return sse.event(self._delta_object(index, delta))
-        if not text and finish is None:
+    def write(self, events: Sequence[Event]) -> str | None:
+        """One read's events as SSE chunks (None when they say nothing)."""
+        out: list[str] = []
+        i, count = 0, len(events)
+        while i < count:
+            e = events[i]
+            kind = type(e)
+            if kind is Content:
+                finish = None
+                if self._merge_finish and i + 1 < count:
+                    after = events[i + 1]
+                    if type(after) is Finish and after.index == e.index:  # type: ignore[union-attr]
+                        finish = after.reason  # type: ignore[union-attr]
+                        i += 1
+                out.append(self._text(e, finish))  # type: ignore[arg-type]
+            elif kind is Finish:
+                # Alone: the end of a choice that has no text left to say. With logprobs asked
+                # every text chunk has a logprobs object, this one an empty one (tool-call
+                # chunks have none: logprobs are not streamed with tools).
+                lps = [] if self._want_lp and self._merge_finish else None
+                out.append(self._text(Content(e.index, "", lps), e.reason))  # type: ignore[union-attr]
+            else:
+                chunk = self._other(e)
+                if chunk:
+                    out.append(chunk)
+            i += 1
+        if not out:
             return None
-        # The fast path: the same bytes as sse.event(self._delta_object(index, delta)).
-        if self._chat:
-            content = '{"content":' + sse.encode_str(text) + "}" if text or finish is None else "{}"
-            body = ',"delta":' + content + ',"logprobs":null,"finish_reason":'
-        else:
-            body = ',"text":' + sse.encode_str(text) + ',"logprobs":null,"finish_reason":'
-        end = "null}]}\n\n" if finish is None else sse.encode_str(finish) + "}]}\n\n"
-        return self._prefix + str(index) + body + end
+        return out[0] if len(out) == 1 else "".join(out)
 
-    def _tool_delta(self, calls: dict[int, CallStream | list[str]], delta: ChoiceDelta) -> str | None:
-        index, finish = delta.index, delta.finish_reason
-        assert self.plan.tools is not None
-        scanner = calls.get(index)
-        if scanner is None:
-            scanner = calls[index] = self.plan.tools.stream() or []
-        events: list[dict[str, Any]] = []
-        if isinstance(scanner, CallStream):
-            for event in scanner.feed(delta.text):
-                events.append(self._call_chunk(index, event))
-            if finish is not None:
-                content = scanner.rest()
-                if content:
-                    events.append(self._chunk(index, {"delta": {"content": content}, "logprobs": None}))
-                if scanner.num_calls and finish == "stop":
-                    finish = "tool_calls"
-        else:  # held until the end, then parsed whole
-            scanner.append(delta.text)
-            if finish is None:
-                return None
-            message, finish = chat_message(self.plan, "".join(scanner), finish)
-            if message["content"]:
-                events.append(self._chunk(index, {"delta": {"content": message["content"]}, "logprobs": None}))
-            for k, call in enumerate(message.get("tool_calls", ())):
-                fn = call["function"]
-                events.append(self._call_chunk(index, ("call", k, call["id"], fn["name"])))
-                events.extend(self._call_chunk(index, ("arguments", k, piece)) for piece in _pieces(fn["arguments"]))
-        if finish is not None:
-            del calls[index]
-            events.append(self._chunk(index, {"delta": {}, "logprobs": None}, finish))
-        return "".join(sse.event(e) for e in events) or None
+    def usage_chunk(self, choices: Sequence[ChoiceText]) -> str:
+        """The last chunk of a stream that asked for ``include_usage``."""
+        return sse.event({**self._head, "choices": [], "usage": usage(self.plan, choices)})
 
-    def _call_chunk(self, index: int, event: tuple) -> dict[str, Any]:
-        """A ``delta.tool_calls`` chunk: ("call", k, id, name) or ("arguments", k, piece)."""
-        if event[0] == "call":
-            _, k, call_id, name = event
-            call = {"index": k, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
-        else:
-            _, k, piece = event
-            call = {"index": k, "function": {"arguments": piece}}
-        return self._chunk(index, {"delta": {"tool_calls": [call]}, "logprobs": None})
+    def response(self, choices: Sequence[ChoiceText], events: Sequence[Sequence[Event]]) -> dict[str, Any]:
+        """The whole (non-streamed) response: ``events[i]`` are what ``choices[i]`` says
+        (``ResponseEvents.whole``)."""
+        raise NotImplementedError
 
-    def _delta_object(self, index: int, delta: ChoiceDelta) -> dict[str, Any]:
-        want_lp = self._want_lp
-        if self._chat:
-            body: dict[str, Any] = {
-                "delta": {"content": delta.text} if delta.text or delta.finish_reason is None else {},
-                "logprobs": chat_logprobs(delta.logprobs, self.texts) if want_lp else None,
-            }
+    def _text(self, e: Content, finish: str | None) -> str:
+        raise NotImplementedError
+
+    def _other(self, e: Event) -> str:
+        """A chunk for an event that is neither text nor a finish ("": the API has none)."""
+        return ""
+
+    def _chunk(self, index: int, fields: str, finish: str | None) -> str:
+        """One choice's chunk: ``fields`` are the choice's JSON members after its index."""
+        end = "null}]}\n\n" if finish is None else _encode(finish) + "}]}\n\n"
+        return self._prefix + str(index) + "," + fields + ',"finish_reason":' + end
+
+
+class ChatSerializer(Serializer):
+    """``/v1/chat/completions``: a role chunk per choice, then deltas of content, reasoning
+    (``reasoning_content``) and tool calls (per call, a chunk with its index, id and name and
+    arguments "", then the arguments in pieces), then the finish."""
+
+    object_name = "chat.completion.chunk"
+
+    def first(self) -> str:
+        return "".join(
+            self._chunk(i, '"delta":{"role":"assistant","content":""},"logprobs":null', None)
+            for i in range(self.plan.n)
+        )
+
+    def _text(self, e: Content, finish: str | None) -> str:
+        text = e.text
+        delta = '"delta":{"content":' + _encode(text) + "}" if text or finish is None else '"delta":{}'
+        if e.logprobs is None:
+            return self._chunk(e.index, delta + ',"logprobs":null', finish)
+        lp = sse.dumps(chat_logprobs(e.logprobs, self.texts))
+        return self._chunk(e.index, delta + ',"logprobs":' + lp, finish)
+
+    def _other(self, e: Event) -> str:
+        if type(e) is ToolCallStart:
+            call: dict[str, Any] = {"index": e.call, "id": e.id, "type": "function",
+                                    "function": {"name": e.name, "arguments": ""}}
+        elif type(e) is ToolCallArguments:
+            call = {"index": e.call, "function": {"arguments": e.text}}
+        elif type(e) is Reasoning:
+            return self._chunk(e.index, '"delta":{"reasoning_content":' + _encode(e.text)
+                               + '},"logprobs":null', None)
         else:
+            return ""
+        return self._chunk(e.index, _fields({"delta": {"tool_calls": [call]}, "logprobs": None}), None)
+
+    def response(self, choices: Sequence[ChoiceText], events: Sequence[Sequence[Event]]) -> dict[str, Any]:
+        plan = self.plan
+        out = []
+        for c, choice_events in zip(choices, events):
+            said = gather(choice_events)
+            message: dict[str, Any] = {"role": "assistant", "content": said.content}
+            if said.reasoning is not None:
+                message["reasoning_content"] = said.reasoning
+            if said.tool_calls:
+                message["tool_calls"] = said.tool_calls
+            out.append({
+                "index": c.index,
+                "message": message,
+                "logprobs": chat_logprobs(c.logprobs, self.texts) if self._want_lp else None,
+                "finish_reason": said.finish_reason if c.finish_reason is not None else None,
+            })
+        return {**_head(plan, "chat.completion"), "choices": out, "usage": usage(plan, choices)}
+
+
+class CompletionSerializer(Serializer):
+    """``/v1/completions``: the echoed prompt (if asked), then text deltas with the legacy
+    logprobs (``text_offset`` counted across the stream), then the finish. It has no place for
+    reasoning or tool calls."""
+
+    object_name = "text_completion"
+
+    def __init__(self, plan: Plan, texts: TokenText) -> None:
+        super().__init__(plan, texts)
+        # text_offset of each choice's next token
+        self._offsets = [len(plan.echo_of(i)) for i in range(plan.num_choices)]
+
+    def first(self) -> str:
+        """The echoed prompt of each choice, if any (with logprobs the echo waits for the
+        prompt's logprobs, and goes out with the choice's first text)."""
+        plan = self.plan
+        if plan.echo is None or self._want_lp:
+            return ""
+        return "".join(
+            self._chunk(i, '"text":' + _encode(plan.echo_of(i)) + ',"logprobs":null', None)
+            for i in range(plan.num_choices)
+            if plan.echo_of(i)
+        )
+
+    def _text(self, e: Content, finish: str | None) -> str:
+        index, text = e.index, e.text
+        if e.logprobs is None:
+            return self._chunk(index, '"text":' + _encode(text) + ',"logprobs":null', finish)
+        prompt = _echo_logprobs(self.plan, index, e.prompt_logprobs)
+        lp = completion_logprobs(e.logprobs, self.texts, self._offsets[index], prompt)
+        if prompt is not None:  # the echo goes out with its logprobs, before the text
+            text = self.plan.echo_of(index) + text
+            self._offsets[index] += sum(len(t) for t in lp["tokens"][len(prompt[0]) :])
+        else:
+            self._offsets[index] += sum(len(t) for t in lp["tokens"])
+        return self._chunk(index, '"text":' + _encode(text) + ',"logprobs":' + sse.dumps(lp), finish)
+
+    def response(self, choices: Sequence[ChoiceText], events: Sequence[Sequence[Event]]) -> dict[str, Any]:
+        # The text is each choice's whole text: completions have nothing but content.
+        plan = self.plan
+        out = []
+        for c in choices:
+            echo = plan.echo_of(c.index)
             lp = None
-            text = delta.text
-            if want_lp:
-                prompt = _echo_logprobs(self.plan, index, delta.prompt_logprobs)
-                lp = completion_logprobs(delta.logprobs, self.texts, self._offsets[index], prompt)
-                if prompt is not None:  # the echo goes out with its logprobs, before the text
-                    text = self.plan.echo_of(index) + text
-                    self._offsets[index] += sum(len(t) for t in lp["tokens"][len(prompt[0]) :])
-                else:
-                    self._offsets[index] += sum(len(t) for t in lp["tokens"])
-            body = {"text": text, "logprobs": lp}
-        return self._chunk(index, body, delta.finish_reason)
-
-    def usage_chunk(self, choices: Sequence[ChoiceText]) -> dict[str, Any]:
-        return {**self._head, "choices": [], "usage": usage(self.plan, choices)}
-
-    def _chunk(self, index: int, body: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {**self._head, "choices": [{"index": index, **body, "finish_reason": finish}]}
+            if self._want_lp:
+                lp = completion_logprobs(
+                    c.logprobs, self.texts, len(echo), _echo_logprobs(plan, c.index, c.prompt_logprobs)
+                )
+            out.append({"index": c.index, "text": echo + c.text, "logprobs": lp,
+                        "finish_reason": c.finish_reason})
+        return {**_head(plan, "text_completion"), "choices": out, "usage": usage(plan, choices)}
 
 
-def _pieces(text: str, size: int = 32) -> list[str]:
-    """A call's arguments in pieces, as OpenAI streams them (the client joins them)."""
-    return [text[i : i + size] for i in range(0, len(text), size)]
+SERIALIZERS: dict[str, type[Serializer]] = {"chat": ChatSerializer, "completion": CompletionSerializer}
+
+
+def serializer(plan: Plan, texts: TokenText) -> Serializer:
+    """The serializer of the API ``plan`` came in through."""
+    return SERIALIZERS[plan.kind](plan, texts)

@@ -1,5 +1,6 @@
 """The HTTP routes. Handlers only validate (plans.py) and render (render.py); a request's text
-comes from its :class:`~trio_infer.runtime.text_stream.TextStream`.
+comes from its :class:`~trio_infer.runtime.text_stream.TextStream`, and what the text says (its
+content, tool calls, finish) from :class:`~trio_infer.api.events.ResponseEvents`.
 
 Where a request's state lives and when it dies:
 
@@ -61,7 +62,8 @@ from trio_infer.api.plans import (
     plan_completion,
     render_chat,
 )
-from trio_infer.api.render import ChunkWriter, chat_response, completion_response
+from trio_infer.api.events import ResponseEvents
+from trio_infer.api.render import serializer
 from trio_infer.api.state import ServerState, server_state
 from trio_infer.runtime.errors import EngineError
 from trio_infer.runtime.text_stream import open_batch_text_stream
@@ -373,8 +375,9 @@ async def _complete(state: ServerState, plan: Plan) -> Response:
     ) as text:
         async for _ in text:
             pass
-    build = chat_response if plan.kind == "chat" else completion_response
-    return json_response(build(plan, text.choices, state.texts))
+    said = ResponseEvents(plan)
+    body = serializer(plan, state.texts).response(text.choices, [said.whole(c) for c in text.choices])
+    return json_response(body)
 
 
 async def _stream(state: ServerState, plan: Plan) -> Response:
@@ -383,23 +386,25 @@ async def _stream(state: ServerState, plan: Plan) -> Response:
     # client that leaves before the body starts leaves nothing behind.
     state.engine.check_admission(plan.num_choices)
     engine, tokenizer, interval = state.engine, state.tokenizer, state.settings.stream_interval
-    writer = ChunkWriter(plan, state.texts)
+    events = ResponseEvents(plan)
+    writer = serializer(plan, state.texts)
 
     async def body():  # type: ignore[no-untyped-def]
         # Trap 5: no `request` in here; everything needed was captured above.
         try:
-            first = "".join(writer.first())
+            first = writer.first()
             if first:
                 yield first
             async with open_batch_text_stream(
                 engine, tokenizer, plan.prompts, plan.params, plan.stop, interval
             ) as text:
                 async for deltas in text:
-                    # One write per read of the stream, whatever it held (trio-stack §6).
-                    events = [e for e in map(writer.delta, deltas) if e is not None]
-                    if events:
-                        yield events[0] if len(events) == 1 else "".join(events)
-            tail = sse.event(writer.usage_chunk(text.choices)) if plan.include_usage else ""
+                    # One write per read of the stream, whatever it held: each write is an ASGI
+                    # send, which costs far more than joining strings (sse.py).
+                    chunks = writer.write(events.feed(deltas))
+                    if chunks is not None:
+                        yield chunks
+            tail = writer.usage_chunk(text.choices) if plan.include_usage else ""
             tail += sse.DONE
         except EngineError as exc:
             # Trap 6: an error after the first byte becomes an event, never a cut body.

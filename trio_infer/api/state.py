@@ -16,7 +16,7 @@ from trio_infer.api.render import TokenText
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import AsyncEngine
 from trio_infer.runtime.protocol import Loading
-from trio_infer.settings import Settings
+from trio_infer.settings import Settings, Wiring
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ class ServerState:
     limits: ModelLimits | None = None
     texts: TokenText | None = None
     loading: Loading | None = None  # the load's latest progress (a worker's restart too)
+    wiring: Wiring = field(default_factory=Wiring)  # a front end of serve --api-workers: its worker
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     def serve(self, engine: AsyncEngine, tokenizer: Any) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from trio_infer.api.errors import APIError
+from trio_infer.api.events import Event, ToolCallArguments, ToolCallStart
 from trio_infer.api.protocol import ChatCompletionRequest, ChatMessage, Tool
 from trio_infer.api.structured import JSON_OPTIONS, check_grammar, json_schema_grammar, lark_source
 
@@ -61,10 +62,10 @@ class ToolPlan:
     parallel: bool
     grammar: str | None  # None: the output is not constrained (hermes ``auto``)
 
-    def stream(self) -> CallStream | None:
-        """A scanner that turns this request's text into calls as it arrives, or None when the
-        output is not constrained (hermes ``auto``: only the whole text tells)."""
-        return CallStream(self.style) if self.grammar is not None else None
+    def stream(self, index: int = 0) -> CallStream | None:
+        """A scanner that turns choice ``index``'s text into call events as it arrives, or None
+        when the output is not constrained (hermes ``auto``: only the whole text tells)."""
+        return CallStream(self.style, index) if self.grammar is not None else None
 
     def parse(self, text: str) -> ParsedOutput:
         """The model's text as content and tool calls. Text that holds no well-formed call is
@@ -301,14 +302,15 @@ class CallStream:
 
     The grammar fixes everything around the calls, so this is not a JSON parser: it matches the
     fixed text, reads each call's name, then passes the arguments through as they come, counting
-    brackets outside strings to see where they end. ``feed(text)`` returns what can be said now:
-    ``("call", index, id, name)`` when a call's name is complete, ``("arguments", index, piece)``
-    after. A ``json``-style answer that is not a call (``{"response": ...}``) is held and parsed
-    whole by ``rest()``.
+    brackets outside strings to see where they end. ``feed(text)`` returns the events of choice
+    ``index`` that can be said now (``api/events.py``): a :class:`ToolCallStart` when a call's
+    name is complete, :class:`ToolCallArguments` after. A ``json``-style answer that is not a
+    call (``{"response": ...}``) is held and parsed whole by ``rest()``.
     """
 
-    def __init__(self, style: str) -> None:
+    def __init__(self, style: str, index: int = 0) -> None:
         self._style = style
+        self._index = index
         self._buf = ""
         self._pos = 0
         self._state = "open"  # open, name, arguments, between, other
@@ -317,9 +319,9 @@ class CallStream:
         self._in_string = False
         self._escaped = False
 
-    def feed(self, text: str) -> list[tuple]:
+    def feed(self, text: str) -> list[Event]:
         self._buf += text
-        events: list[tuple] = []
+        events: list[Event] = []
         while self._step(events):
             pass
         return events
@@ -339,7 +341,7 @@ class CallStream:
             return True
         return None if literal.startswith(ahead) else False
 
-    def _step(self, events: list[tuple]) -> bool:
+    def _step(self, events: list[Event]) -> bool:
         state = self._state
         if state == "open":
             found = self._literal(_OPEN[self._style])
@@ -356,7 +358,7 @@ class CallStream:
                 return False
             name = self._buf[self._pos : end]
             self._pos = end + len(_ARGUMENTS)
-            events.append(("call", self.num_calls, f"call_{uuid.uuid4().hex[:24]}", name))
+            events.append(ToolCallStart(self._index, self.num_calls, f"call_{uuid.uuid4().hex[:24]}", name))
             self.num_calls += 1
             self._state, self._depth, self._in_string, self._escaped = "arguments", 0, False, False
             return True
@@ -382,7 +384,7 @@ class CallStream:
                     self._depth -= 1
                 i += 1
             if i > start:
-                events.append(("arguments", self.num_calls - 1, buf[start:i]))
+                events.append(ToolCallArguments(self._index, self.num_calls - 1, buf[start:i]))
             self._pos = i
             if i < len(buf):
                 self._pos += 1  # the call's "}"

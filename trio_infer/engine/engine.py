@@ -26,6 +26,7 @@ from typing import Hashable
 
 import torch
 
+from trio_infer.engine.config import EngineConfig
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.grammar import Grammars, TokenMasks
 from trio_infer.engine.kv_cache import KVCache, PagePool, resolve_kv_dtype
@@ -39,19 +40,7 @@ from trio_infer.models.base import CausalLM
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class EngineConfig:
-    page_size: int = 16
-    num_pages: int | None = None  # None: size the pool from kv_cache_bytes
-    kv_cache_bytes: int = 256 * 2**20
-    max_running: int = 64
-    max_batched_tokens: int = 512
-    enable_prefix_cache: bool = True
-    # "auto": fp16 for an fp32 model on the CPU (llama.cpp's default: half the memory and
-    # bandwidth of fp32, with the tolerance docs/kernels.md measures), the model's dtype
-    # otherwise; or "float32", "float16", "bfloat16" (see kv_cache.resolve_kv_dtype).
-    kv_cache_dtype: str = "auto"
+__all__ = ["Engine", "EngineConfig", "EngineStatistics", "RequestOutput", "StepPlan"]
 
 
 @dataclass(frozen=True)

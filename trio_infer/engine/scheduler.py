@@ -64,10 +64,9 @@ class Scheduler:
         max_batched_tokens: int,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
-        if max_batched_tokens < max_running:
-            raise ValueError("max_batched_tokens must be >= max_running (one token per decode)")
         self.pool = pool
         self.page_size = page_size
+        # max_batched_tokens >= max_running (a decode is one token): EngineConfig checks it.
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Sequence] = deque()

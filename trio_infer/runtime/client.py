@@ -60,7 +60,7 @@ from trio_infer.runtime.transport import (
     open_worker_socket,
     open_worker_task,
 )
-from trio_infer.settings import Settings
+from trio_infer.settings import Settings, Wiring
 
 log = logging.getLogger(__name__)
 
@@ -458,21 +458,23 @@ def is_instant(engine: Engine) -> bool:
 @asynccontextmanager
 async def open_engine(
     settings: Settings, engine: Engine | None = None, metrics: Metrics | None = None, *,
-    on_loading: OnLoading | None = None,
+    on_loading: OnLoading | None = None, wiring: Wiring = Wiring(),
 ) -> AsyncIterator[AsyncEngine]:
     """Start a batching worker for ``settings`` (a child process that loads the model), yield the
     engine once it is ready; on exit stop the worker and wait for it. ``on_loading`` hears the
     worker's progress reports while it loads (at every restart too), then None.
 
     With ``engine`` (an :class:`~trio_infer.engine.engine.Engine` this program built), the worker
-    is a task of this process over the same protocol instead (tests, embedding).
+    is a task of this process over the same protocol instead (tests, embedding). With
+    ``wiring.worker_address`` (a front end of ``serve --api-workers``), it is the supervisor's
+    shared worker, connected to (and reconnected to) on that socket.
 
     ``async with open_engine(settings) as engine:`` then, per request,
     ``async with engine.generate(prompt_ids, [params]) as stream: async for outs in stream: ...``
     """
-    if engine is None and settings.worker_address is not None:
+    if engine is None and wiring.worker_address is not None:
         # A shared worker that a supervisor runs (and restarts): connect, and reconnect.
-        address, timeout = settings.worker_address, settings.worker_connect_timeout_s
+        address, timeout = wiring.worker_address, wiring.worker_connect_timeout_s
         connect: Connect = lambda: open_worker_socket(address, timeout)  # noqa: E731
         restart = True
     elif engine is None:

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from trio_infer.engine.engine import Engine, EngineConfig
+from trio_infer.engine.engine import Engine
 from trio_infer.settings import Settings
 
 FAKE_MODEL = "fake"
@@ -63,13 +63,7 @@ def build_engine(settings: Settings, progress: Progress | None = None) -> Engine
     report: Progress = progress or (lambda phase, done, total: None)
     configure_torch_threads(settings)
     device = resolve_device(settings)
-    config = EngineConfig(
-        page_size=settings.page_size,
-        kv_cache_bytes=settings.kv_cache_mb * 2**20,
-        max_running=settings.max_running,
-        max_batched_tokens=settings.max_batched_tokens,
-        kv_cache_dtype=settings.kv_cache_dtype,
-    )
+    config = settings.engine_config()
     if settings.model == FAKE_MODEL:
         from trio_infer.models.fake import FakeModel
 

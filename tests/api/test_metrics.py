@@ -1,0 +1,52 @@
+"""``/metrics``: every family the server registers is fed. A family that nothing observes (a
+histogram with no observation, a counter never above zero, a gauge never set) fails here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import prometheus_client
+
+from trio_infer.metrics import Metrics
+
+from .helpers import make_app, parse_sse, running
+
+
+async def test_every_registered_family_is_observed(tokenizer, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    set_gauges: set[str] = set()
+    for method in ("set", "inc", "dec"):
+        real = getattr(prometheus_client.Gauge, method)
+
+        def spy(self: Any, *args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            set_gauges.add(self._name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(prometheus_client.Gauge, method, spy)
+
+    app = make_app(tokenizer)
+    metrics: Metrics = app.extensions["trio_infer"].metrics
+    # Two prompts that share their first pages (prefix-cache hits), streamed and not, several
+    # tokens each (inter-token latency), ending by length and by a stop string.
+    shared = "The quick brown fox jumps over the lazy dog, " * 4
+    async with running(app) as client:
+        for i, stream in enumerate((False, True)):
+            body = {"model": "fake", "prompt": shared + str(i), "max_tokens": 5, "stream": stream}
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 200
+            if stream:
+                assert parse_sse(await r.get_data(as_text=True))[-1] == "[DONE]"
+
+    unobserved = []
+    for family in metrics.registry.collect():
+        samples = family.samples
+        if family.type == "counter":
+            fed = sum(s.value for s in samples if s.name.endswith("_total")) > 0
+        elif family.type == "histogram":
+            fed = sum(s.value for s in samples if s.name.endswith("_count")) > 0
+        elif family.type == "gauge":
+            fed = family.name in set_gauges
+        else:
+            raise AssertionError(f"a {family.type} family the test does not know: {family.name}")
+        if not fed:
+            unobserved.append(family.name)
+    assert unobserved == [], f"registered but never observed: {unobserved}"

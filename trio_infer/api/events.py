@@ -1,0 +1,196 @@
+"""What a response says, as typed events: the one stream every API's serializer reads.
+
+A request's text stream (``runtime.text_stream``) gives each read's per-choice deltas: text,
+logprobs, a finish. :class:`ResponseEvents` turns them into events that say what the text *is*:
+
+* :class:`Content`: answer text (with its tokens' logprobs when the request asked for them);
+* :class:`Reasoning`: the model's reasoning, apart from the answer (no model served today emits
+  it: the type is here so that a parser for it adds events, not a branch in a serializer);
+* :class:`ToolCallStart` and :class:`ToolCallArguments`: a tool call's id and name, then its
+  arguments in pieces (parsed here, by ``api/tools.py``, never by a serializer);
+* :class:`Finish`: the choice ended, and why.
+
+Every event names its choice (``index``). A serializer (``api/render.py``: chat completions,
+completions) only renders events; an API added later is one more serializer over the same events.
+The events of a whole (non-streamed) answer are the same, from :meth:`ResponseEvents.whole`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence, Union
+
+if TYPE_CHECKING:
+    from trio_infer.api.plans import Plan
+    from trio_infer.api.tools import CallStream
+    from trio_infer.runtime.text_stream import ChoiceDelta, ChoiceText
+
+
+@dataclass(frozen=True, slots=True)
+class Content:
+    """Answer text of choice ``index``. ``logprobs``: its tokens' logprobs when the request asked
+    for them (possibly empty: tokens whose text is held back), else None. ``prompt_logprobs``:
+    the prompt's, in the choice's first event when asked (completions' echo with logprobs)."""
+
+    index: int
+    text: str
+    logprobs: Sequence[Any] | None = None
+    prompt_logprobs: Sequence[Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reasoning:
+    """Reasoning text of choice ``index``, apart from its answer."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallStart:
+    """Call number ``call`` of choice ``index`` begins: its id and the function's name."""
+
+    index: int
+    call: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallArguments:
+    """A piece of the arguments (JSON text) of call number ``call`` of choice ``index``; the
+    pieces of one call, joined, are its arguments."""
+
+    index: int
+    call: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """Choice ``index`` ended: ``reason`` is "stop", "length" or "tool_calls"."""
+
+    index: int
+    reason: str
+
+
+Event = Union[Content, Reasoning, ToolCallStart, ToolCallArguments, Finish]
+
+# A call's arguments in pieces of this many characters when they are known whole (a parsed
+# answer), as OpenAI streams them; the client joins them.
+ARGUMENT_PIECE = 32
+
+
+class ResponseEvents:
+    """The events of one request's choices, read after read (``feed``).
+
+    Without tools a delta is its text and logprobs, then its finish. A request that may call
+    tools has its calls read out of the text: while the grammar constrains the answer, by a
+    :class:`~trio_infer.api.tools.CallStream` as the text comes (calls are said as soon as their
+    name is complete, their arguments as they are generated; text that is no call is said at the
+    end); hermes ``auto`` (unconstrained: a call may start anywhere in the text) is held until its
+    choice ends, then parsed whole (:func:`parsed_events`). The finish of a choice that called a
+    tool and stopped is "tool_calls".
+    """
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self._want_lp = plan.logprobs is not None
+        # With tools: each choice's call scanner (or its text so far, held); None otherwise.
+        self._calls: dict[int, CallStream | list[str]] | None = {} if plan.tools is not None else None
+
+    def whole(self, choice: ChoiceText) -> list[Event]:
+        """The events of a finished choice's whole text (a non-streamed answer)."""
+        return parsed_events(self.plan, choice.index, choice.text, choice.finish_reason or "stop")
+
+    def feed(self, deltas: Sequence[ChoiceDelta]) -> list[Event]:
+        """The events of one read of the text stream (its deltas, choice by choice)."""
+        events: list[Event] = []
+        calls = self._calls
+        for delta in deltas:
+            if calls is not None:
+                self._tool_events(calls, delta, events)
+                continue
+            lps = delta.logprobs if self._want_lp else None
+            if delta.text or lps or delta.prompt_logprobs is not None:
+                events.append(Content(delta.index, delta.text, lps, delta.prompt_logprobs))
+            if delta.finish_reason is not None:
+                events.append(Finish(delta.index, delta.finish_reason))
+        return events
+
+    def _tool_events(self, calls: dict[int, CallStream | list[str]], delta: ChoiceDelta,
+                     events: list[Event]) -> None:
+        index, finish = delta.index, delta.finish_reason
+        tools = self.plan.tools
+        assert tools is not None
+        scanner = calls.get(index)
+        if scanner is None:
+            scanner = calls[index] = tools.stream(index) or []
+        if isinstance(scanner, list):  # held until the end, then parsed whole
+            scanner.append(delta.text)
+            if finish is not None:
+                del calls[index]
+                events.extend(parsed_events(self.plan, index, "".join(scanner), finish))
+            return
+        events.extend(scanner.feed(delta.text))
+        if finish is not None:
+            del calls[index]
+            content = scanner.rest()
+            if content:
+                events.append(Content(index, content))
+            events.append(Finish(index, "tool_calls" if scanner.num_calls and finish == "stop" else finish))
+
+
+def parsed_events(plan: Plan, index: int, text: str, finish: str) -> list[Event]:
+    """The events of choice ``index``'s whole text ``text``: with tools, its content and the
+    calls parsed out of it (``ToolPlan.parse``), each call's arguments in pieces."""
+    if plan.tools is None:
+        return [Content(index, text), Finish(index, finish)] if text else [Finish(index, finish)]
+    parsed = plan.tools.parse(text)
+    events: list[Event] = []
+    if parsed.content:
+        events.append(Content(index, parsed.content))
+    for k, call in enumerate(parsed.tool_calls):
+        fn = call["function"]
+        events.append(ToolCallStart(index, k, call["id"], fn["name"]))
+        arguments = fn["arguments"]
+        events.extend(
+            ToolCallArguments(index, k, arguments[i : i + ARGUMENT_PIECE])
+            for i in range(0, len(arguments), ARGUMENT_PIECE)
+        )
+    if parsed.tool_calls and finish == "stop":
+        finish = "tool_calls"
+    events.append(Finish(index, finish))
+    return events
+
+
+@dataclass
+class Message:
+    """A whole choice's answer, gathered from its events (what a non-streamed response says)."""
+
+    content: str | None
+    reasoning: str | None
+    tool_calls: list[dict[str, Any]]
+    finish_reason: str | None
+
+
+def gather(events: Sequence[Event]) -> Message:
+    """One choice's events folded into its message. Content is None only when the answer is
+    tool calls and nothing else (as OpenAI has it), else the text, "" for none."""
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    finish = None
+    for e in events:
+        if isinstance(e, Content):
+            content.append(e.text)
+        elif isinstance(e, Reasoning):
+            reasoning.append(e.text)
+        elif isinstance(e, ToolCallStart):
+            calls.append({"id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}})
+        elif isinstance(e, ToolCallArguments):
+            calls[e.call]["function"]["arguments"] += e.text
+        else:
+            finish = e.reason
+    text = "".join(content) if content or not calls else None
+    return Message(text, "".join(reasoning) if reasoning else None, calls, finish)

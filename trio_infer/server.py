@@ -1,0 +1,181 @@
+"""The HTTP server of ``python -m trio_infer serve``: hypercorn's configuration, and every change
+this project makes to hypercorn 0.18, with why each exists.
+
+:func:`hypercorn_config` builds the :class:`ServerConfig` ``serve`` runs hypercorn with: every
+option that differs from hypercorn's defaults is set there, next to its reason.
+
+:func:`install` changes two hypercorn classes (it must replace them: hypercorn has no hook for
+either). Both changes apply only to connections served under a :class:`ServerConfig`; under any
+other configuration (``hypercorn trio_infer.app:app`` on the command line, or another app in the
+same process) the classes behave exactly as hypercorn's own.
+
+1. **A cap on concurrent connections**, which hypercorn lacks (``max_connections``). A connection
+   past the cap is accepted, answered 503 in the OpenAI envelope with ``Connection: close``
+   (:data:`REFUSAL`, built by ``api/errors.py`` like every other error) and closed at once,
+   before hypercorn reads from it: accepting and closing is how a flood is refused fast, where
+   leaving connections in the listen backlog would let them pile up until file descriptors run
+   out. (A wrapper around the ASGI app could not do it: it sees requests, never connections.)
+
+2. **The keep-alive timer after a response.** After a response, hypercorn's HTTP/1.1 protocol
+   ends the request (``H11Protocol._maybe_recycle``): it first sends the app ``http.disconnect``,
+   then restarts the connection's idle timer (``TCPServer.protocol_send(Updated(idle=True))`` ->
+   ``TrioSingleTask.restart`` -> ``nursery.start``). Both run inside the app's own task (the ASGI
+   ``send`` of the last body chunk). quart-trio answers the ``http.disconnect`` by cancelling the
+   request's nursery, which cancels that ``nursery.start`` half-way: the new timer task is
+   cancelled as it starts. So an idle keep-alive connection was never closed by the server after
+   its first response, and a client could hold any number of connections open by sending one
+   request on each. The fix shields the timer's restart from the app's cancellation (the timer
+   then runs in the connection's task group, as hypercorn intends).
+
+   And a response that says ``Connection: close`` (ours does when it is sent before the
+   request's body was read: 408, 413, 431) leaves h11 in ``MUST_CLOSE``, where hypercorn neither
+   closes the socket nor starts the idle timer: a client that kept sending, or just kept the
+   socket, held the connection for good. The timer is started there too, so such a connection is
+   closed ``keep_alive_timeout`` after the response, which leaves the client that long to read it.
+
+``tests/runtime/test_connection_limits.py`` proves both against a real server (and fails without
+them).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+from hypercorn.config import Config
+
+from trio_infer.api.errors import RETRY_AFTER_S, SERVER_ERROR, error_body
+from trio_infer.api.sse import dumps
+from trio_infer.settings import Settings, Wiring
+
+log = logging.getLogger(__name__)
+
+
+class ServerConfig(Config):
+    """hypercorn's configuration, plus what our changes to it read: the connection cap."""
+
+    def __init__(self, max_connections: int) -> None:
+        super().__init__()
+        self.max_connections = max_connections
+        self.open_connections = 0  # connections being served now, under this configuration
+
+
+def hypercorn_config(settings: Settings, wiring: Wiring = Wiring()) -> ServerConfig:
+    """The configuration ``serve`` runs hypercorn with."""
+    config = ServerConfig(settings.max_connections)
+    # serve --api-workers: the supervisor hands each front end the listening socket it bound.
+    if wiring.listen_fd is not None:
+        config.bind = [f"fd://{wiring.listen_fd}"]
+    else:
+        config.bind = [f"{settings.host}:{settings.port}"]
+    # Our own drain has ended every request by the time hypercorn is told to stop; this only
+    # bounds the wait for connections to close.
+    config.graceful_timeout = 2.0
+    # hypercorn's default listen backlog (100) drops the SYNs of a burst of new connections, which
+    # clients retry only after a second: 256 clients arriving at once waited 1-2 s for a first
+    # token. uvicorn's default is 2048; the kernel caps it at net.core.somaxconn.
+    config.backlog = 2048
+    # Connection limits (README, "Connection limits"). keep_alive_timeout also bounds the time to
+    # send a request's headers (hypercorn counts a connection idle until its headers are in).
+    # hypercorn's read_timeout is left unset: it is a per-read idle timeout on the socket, which
+    # would also cut any request the client waits on longer than it without sending anything.
+    config.keep_alive_timeout = settings.keep_alive_timeout_s
+    config.h11_max_incomplete_size = settings.max_header_bytes
+    config.h2_max_header_list_size = settings.max_header_bytes
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")  # through our logging setup, once
+    return config
+
+
+# What a connection past the cap reads: a whole HTTP/1.1 response, then the close.
+_REFUSAL_BODY = dumps(error_body(
+    "too many open connections to this server; retry later", SERVER_ERROR,
+    code="too_many_connections",
+)).encode()
+REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    b"retry-after: " + str(RETRY_AFTER_S).encode() + b"\r\nconnection: close\r\n"
+    b"content-length: " + str(len(_REFUSAL_BODY)).encode() + b"\r\n\r\n" + _REFUSAL_BODY
+)
+
+
+async def _refuse(stream: Any) -> None:
+    with trio.move_on_after(1):  # a client that does not read gets the close without it
+        try:
+            await stream.send_all(REFUSAL)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    await trio.aclose_forcefully(stream)
+
+
+_INSTALLED = False
+
+
+def install() -> bool:
+    """Install both changes (idempotent). Returns False, changing nothing, if hypercorn is not
+    the 0.18 layout they were written for."""
+    global _INSTALLED
+    if _INSTALLED:
+        return True
+    try:
+        import h11
+        import hypercorn.trio.run as run_module
+        from hypercorn.events import Updated
+        from hypercorn.protocol.h11 import H11Protocol
+        from hypercorn.trio.tcp_server import TCPServer
+    except ImportError:
+        return False
+    if getattr(run_module, "TCPServer", None) is not TCPServer or not hasattr(TCPServer, "protocol_send") \
+            or not hasattr(H11Protocol, "_maybe_recycle"):
+        return False
+
+    class CappedTCPServer(TCPServer):
+        """Change 1 (the cap) and the first half of change 2 (the timer's restart shielded)."""
+
+        async def run(self) -> None:
+            config = self.config
+            if not isinstance(config, ServerConfig):
+                return await super().run()
+            if config.open_connections >= config.max_connections:
+                return await _refuse(self.stream)
+            config.open_connections += 1
+            try:
+                await super().run()
+            finally:
+                config.open_connections -= 1
+
+        async def protocol_send(self, event: Any) -> None:
+            if isinstance(event, Updated) and event.idle and isinstance(self.config, ServerConfig):
+                with trio.CancelScope(shield=True):  # restarting the timer takes no time
+                    await super().protocol_send(event)
+            else:
+                await super().protocol_send(event)
+
+    run_module.TCPServer = CappedTCPServer  # type: ignore[misc]
+
+    recycle = H11Protocol._maybe_recycle
+
+    async def _maybe_recycle(self: Any) -> None:
+        """The second half of change 2: the end of a request shielded, and the idle timer
+        started after a ``Connection: close`` response too."""
+        if not isinstance(self.config, ServerConfig):
+            return await recycle(self)
+        # This runs in the app's task, which quart-trio cancels on the http.disconnect that
+        # recycle() sends first: shield it (bookkeeping, no waiting; bounded all the same).
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + 1):
+            await recycle(self)
+            if self.connection.our_state is h11.MUST_CLOSE and not self.context.terminated.is_set():
+                await self.send(Updated(idle=True))
+
+    H11Protocol._maybe_recycle = _maybe_recycle  # type: ignore[method-assign]
+    _INSTALLED = True
+    return True
+
+
+def configure(settings: Settings, wiring: Wiring = Wiring()) -> ServerConfig:
+    """:func:`install`, then :func:`hypercorn_config`: what ``serve`` calls."""
+    if not install():
+        log.warning("hypercorn is not 0.18: idle keep-alive connections may never be closed, "
+                    "and max_connections is not enforced")
+    return hypercorn_config(settings, wiring)
