@@ -117,6 +117,20 @@ class Settings(BaseSettings):
     )
     max_body_bytes: int = Field(4 * 2**20, ge=1024)
     api_key: str | None = None
+    unknown_fields: Literal["reject", "warn"] = Field(
+        "reject",
+        description="A request field that neither OpenAI's API nor the vLLM extensions served "
+        "here define: 'reject' answers 400 naming it (OpenAI's behaviour); 'warn' logs each "
+        "field name once and ignores the field (vLLM's). Fields of OpenAI's API that this server "
+        "does not implement are refused either way, unless they ask for nothing.",
+    )
+    reasoning: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Reasoning models: 'auto' splits <think>...</think> text out of the answer "
+        "into reasoning_content when the chat template thinks (it writes <think> and the "
+        "tokenizer has both tags as tokens: Qwen3 and kin); 'on' always; 'off' never (the "
+        "thinking stays in the content).",
+    )
 
     # -- processes ----------------------------------------------------------------------------
     api_workers: int = Field(

@@ -245,7 +245,7 @@ async def test_api_key_is_required_except_for_health(tokenizer) -> None:
 
 
 async def test_unknown_and_unsupported_fields_are_named(app) -> None:
-    for field, value in [("logit_bias", {"1": 5}), ("functions", [{"name": "f"}]), ("frobnicate", 1)]:
+    for field, value in [("prediction", {"type": "content"}), ("functions", [{"name": "f"}]), ("frobnicate", 1)]:
         r = await app.client.post("/v1/chat/completions", json=chat_body(max_tokens=1, **{field: value}))
         assert r.status_code == 400, field
         err = (await r.get_json())["error"]

@@ -4,8 +4,9 @@ A request's text stream (``runtime.text_stream``) gives each read's per-choice d
 logprobs, a finish. :class:`ResponseEvents` turns them into events that say what the text *is*:
 
 * :class:`Content`: answer text (with its tokens' logprobs when the request asked for them);
-* :class:`Reasoning`: the model's reasoning, apart from the answer (no model served today emits
-  it: the type is here so that a parser for it adds events, not a branch in a serializer);
+* :class:`Reasoning`: the model's reasoning, apart from the answer: a reasoning model's
+  ``<think>...</think>`` text, split out of the answer by :class:`ThinkSplit` when the plan says
+  the model thinks (``Plan.reasoning``); tool calls and content are read from the rest;
 * :class:`ToolCallStart` and :class:`ToolCallArguments`: a tool call's id and name, then its
   arguments in pieces (parsed here, by ``api/tools.py``, never by a serializer);
 * :class:`Finish`: the choice ended, and why.
@@ -17,11 +18,11 @@ The events of a whole (non-streamed) answer are the same, from :meth:`ResponseEv
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence, Union
 
 if TYPE_CHECKING:
-    from trio_infer.api.plans import Plan
+    from trio_infer.api.plans import Plan, ReasoningPlan
     from trio_infer.api.tools import CallStream
     from trio_infer.runtime.text_stream import ChoiceDelta, ChoiceText
 
@@ -81,6 +82,68 @@ Event = Union[Content, Reasoning, ToolCallStart, ToolCallArguments, Finish]
 ARGUMENT_PIECE = 32
 
 
+def _partial_tail(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+class ThinkSplit:
+    """A reasoning model's output, piece by piece, as (reasoning, content) text.
+
+    The thinking is what stands between the open and close tags (``<think>``, ``</think>``):
+    either the output opens with the tag (after whitespace; Qwen3), or the prompt left the model
+    thinking already (``ReasoningPlan.thinking``), and it ends at the close tag. The tags are
+    in neither part, nor is the whitespace right after the close tag (the template's own
+    separator). An output that does not open with the tag is all content (a model told not to
+    think: ``enable_thinking: false``). A tail that may still become a tag is held until the
+    next piece tells, and given out at the end (``final``).
+    """
+
+    _START, _THINK, _AFTER, _ANSWER = range(4)
+
+    def __init__(self, plan: ReasoningPlan) -> None:
+        self.open, self.close = plan.open, plan.close
+        self._state = self._THINK if plan.thinking else self._START
+        self._held = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        buf, self._held = self._held + text, ""
+        reasoning: list[str] = []
+        content: list[str] = []
+        while buf:
+            state = self._state
+            if state == self._ANSWER:
+                content.append(buf)
+                break
+            if state == self._START:
+                stripped = buf.lstrip()
+                if stripped.startswith(self.open):
+                    self._state, buf = self._THINK, stripped[len(self.open):]
+                elif not final and self.open.startswith(stripped):  # "" or a start of the tag
+                    self._held = buf
+                    break
+                else:
+                    self._state = self._ANSWER
+            elif state == self._THINK:
+                at = buf.find(self.close)
+                if at >= 0:
+                    reasoning.append(buf[:at])
+                    self._state, buf = self._AFTER, buf[at + len(self.close):]
+                    continue
+                keep = 0 if final else _partial_tail(buf, self.close)
+                reasoning.append(buf[: len(buf) - keep])
+                self._held = buf[len(buf) - keep:]
+                break
+            else:  # after the close tag: its separator is dropped
+                buf = buf.lstrip()
+                if buf:
+                    self._state = self._ANSWER
+        return "".join(reasoning), "".join(content)
+
+
 class ResponseEvents:
     """The events of one request's choices, read after read (``feed``).
 
@@ -98,16 +161,34 @@ class ResponseEvents:
         self._want_lp = plan.logprobs is not None
         # With tools: each choice's call scanner (or its text so far, held); None otherwise.
         self._calls: dict[int, CallStream | list[str]] | None = {} if plan.tools is not None else None
+        # A reasoning model's: each choice's thinking splitter; None otherwise.
+        self._think: dict[int, ThinkSplit] | None = {} if plan.reasoning is not None else None
 
     def whole(self, choice: ChoiceText) -> list[Event]:
         """The events of a finished choice's whole text (a non-streamed answer)."""
-        return parsed_events(self.plan, choice.index, choice.text, choice.finish_reason or "stop")
+        text, finish = choice.text, choice.finish_reason or "stop"
+        if self.plan.reasoning is None:
+            return parsed_events(self.plan, choice.index, text, finish)
+        reasoning, content = ThinkSplit(self.plan.reasoning).feed(text, final=True)
+        events = parsed_events(self.plan, choice.index, content, finish)
+        return [Reasoning(choice.index, reasoning), *events] if reasoning else events
 
     def feed(self, deltas: Sequence[ChoiceDelta]) -> list[Event]:
         """The events of one read of the text stream (its deltas, choice by choice)."""
         events: list[Event] = []
         calls = self._calls
+        think = self._think
         for delta in deltas:
+            if think is not None:
+                split = think.get(delta.index)
+                if split is None:
+                    split = think[delta.index] = ThinkSplit(self.plan.reasoning)  # type: ignore[arg-type]
+                reasoning, content = split.feed(delta.text, final=delta.finish_reason is not None)
+                if reasoning:
+                    events.append(Reasoning(delta.index, reasoning))
+                if delta.finish_reason is not None:
+                    del think[delta.index]
+                delta = replace(delta, text=content)
             if calls is not None:
                 self._tool_events(calls, delta, events)
                 continue

@@ -17,7 +17,7 @@ from typing import Any, Literal, Sequence
 
 from trio_infer.api.errors import APIError
 from trio_infer.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from trio_infer.api.structured import response_format_grammar
+from trio_infer.api.structured import extension_grammar, response_format_grammar
 from trio_infer.api.tools import HERMES, ToolPlan, conversation, plan_tools, template_style
 from trio_infer.engine.params import SamplingParams
 from trio_infer.runtime.detokenizer import encoder
@@ -57,6 +57,14 @@ class Plan:
     echo: list[str] | None = None
     # A chat request that may call tools: its output is parsed into tool calls (api/tools.py).
     tools: ToolPlan | None = None
+    # stream_options.continuous_usage_stats (vLLM): usage in every chunk of the stream.
+    continuous_usage: bool = False
+    # How the text is made (runtime/text_stream.py): special tokens dropped from it, and the
+    # stop string that ended a choice kept at its end (vLLM's include_stop_str_in_output).
+    skip_special_tokens: bool = True
+    include_stop_str: bool = False
+    # A chat request to a reasoning model: its thinking is split out of the answer (events.py).
+    reasoning: ReasoningPlan | None = None
 
     @property
     def n(self) -> int:
@@ -72,6 +80,38 @@ class Plan:
 
     def echo_of(self, index: int) -> str:
         return self.echo[index // len(self.params)] if self.echo is not None else ""
+
+
+@dataclass(frozen=True)
+class ReasoningPlan:
+    """Where a reasoning model's thinking is in its output: between ``open`` and ``close``;
+    ``thinking`` when the prompt left the model thinking already (it ends with an open tag, as
+    the templates of thinking-only models do), so the output starts inside the thinking."""
+
+    thinking: bool
+    open: str = "<think>"
+    close: str = "</think>"
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def template_thinks(tokenizer: Any) -> bool:
+    """Whether the chat template thinks in ``<think>...</think>`` (Qwen3 and kin): the template
+    writes the tags and the tokenizer has each of them as one token."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or THINK_CLOSE not in template:
+        return False
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return THINK_OPEN in vocab and THINK_CLOSE in vocab
+
+
+def reasoning_plan(prompt_text: str, tokenizer: Any, mode: str) -> ReasoningPlan | None:
+    """The reasoning split of a chat request whose prompt is ``prompt_text`` (``mode``: the
+    ``reasoning`` setting), or None when the answer is all content."""
+    if mode == "off" or (mode == "auto" and not template_thinks(tokenizer)):
+        return None
+    return ReasoningPlan(thinking=prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE))
 
 
 # -- request -> plan ------------------------------------------------------------------------------
@@ -92,9 +132,37 @@ def render_chat(
     messages: Sequence[ChatMessage],
     add_generation_prompt: bool = True,
     tools: ToolPlan | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Messages (and the tools a request may call) -> prompt ids through the tokenizer's own chat
     template, or the generic rendering of tools for a template that knows none (api/tools.py)."""
+    return encoder(tokenizer)(render_chat_text(
+        tokenizer, messages, add_generation_prompt, tools, template_kwargs, continue_final_message
+    ))
+
+
+# Keyword arguments of apply_chat_template that chat_template_kwargs may not set: they are
+# fields of the request (or this server's business), not variables of the template.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def render_chat_text(
+    tokenizer: Any,
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool = True,
+    tools: ToolPlan | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
+) -> str:
+    """:func:`render_chat`'s prompt as text (the template writes every special token it wants,
+    BOS included). ``template_kwargs``: variables for the template (vLLM's
+    ``chat_template_kwargs``, e.g. ``enable_thinking``); ``continue_final_message``: the last
+    message (an assistant's) is left open for the model to continue."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(
             400,
@@ -103,15 +171,28 @@ def render_chat(
         )
     style = tools.style if tools is not None else template_style(tokenizer)
     turns = conversation(messages, style, tools)
-    extra = {"tools": tools.tools} if tools is not None and tools.style == HERMES else {}
+    extra: dict[str, Any] = {}
+    for key in template_kwargs or {}:
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise APIError(400, f"'chat_template_kwargs' may not set '{key}'.",
+                           param=f"chat_template_kwargs.{key}")
+    extra.update(template_kwargs or {})
+    if tools is not None and tools.style == HERMES:
+        extra["tools"] = tools.tools
+    if continue_final_message:
+        if add_generation_prompt:
+            raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both "
+                           "be true; send 'add_generation_prompt': false.", param="continue_final_message")
+        if messages[-1].role != "assistant":
+            raise APIError(400, "'continue_final_message' needs the last message to be the "
+                           "assistant's.", param="continue_final_message")
+        extra["continue_final_message"] = True
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             turns, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
         )
     except Exception as exc:  # a template may raise for conversations it does not support
         raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
-    # The template already wrote every special token it wants (BOS included).
-    return encoder(tokenizer)(text)
 
 
 def split_prompts(prompt: Any) -> list[Any]:
@@ -187,6 +268,11 @@ def _sampling(
 ) -> list[SamplingParams]:
     stop_token_ids = tuple(req.stop_token_ids or ())
     check_token_ids(stop_token_ids, limits.vocab_size, "stop_token_ids")
+    bias = tuple(sorted((int(k), v) for k, v in (req.logit_bias or {}).items()))
+    check_token_ids([t for t, _ in bias], limits.vocab_size, "logit_bias")
+    if req.min_tokens and max_tokens is not None and req.min_tokens > max_tokens:
+        raise APIError(400, f"'min_tokens' ({req.min_tokens}) must be at most 'max_tokens' "
+                       f"({max_tokens}).", param="min_tokens")
     if logprobs is not None and logprobs > limits.vocab_size:
         param = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
         raise APIError(400, f"At most {limits.vocab_size} alternatives exist for each token.", param=param)
@@ -203,6 +289,9 @@ def _sampling(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         grammar=grammar,
+        min_tokens=req.min_tokens or 0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=tuple((t, b) for t, b in bias if b != 0),
     )
     # Choice i of a seeded request uses seed + i: the choices differ, and the whole request
     # replays exactly with the same seed. (In a batch, choice i of every prompt: a prompt gives
@@ -228,7 +317,31 @@ def _common_checks(req: ChatCompletionRequest | CompletionRequest, limits: Model
     return n
 
 
-def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits) -> Plan:
+def _output_grammar(req: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """The grammar of ``response_format`` or of vLLM's structured-output fields (at most one)."""
+    grammar = response_format_grammar(req.response_format)
+    extension = extension_grammar(req)
+    if grammar is not None and extension is not None:
+        raise APIError(400, "Send one of 'response_format' and vLLM's structured-output fields, "
+                       "not both.", param="response_format")
+    return grammar if grammar is not None else extension
+
+
+def _text_options(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    # As vLLM: continuous_usage_stats adds usage to every chunk of a stream that includes usage.
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return dict(
+        include_usage=include_usage,
+        continuous_usage=include_usage and bool(req.stream_options.continuous_usage_stats),
+        skip_special_tokens=req.skip_special_tokens is not False,
+        include_stop_str=bool(req.include_stop_str_in_output),
+    )
+
+
+def plan_chat(
+    req: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits, reasoning: str = "auto"
+) -> Plan:
+    """``reasoning``: the setting of that name (split a reasoning model's thinking out)."""
     n = _common_checks(req, limits)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(
@@ -236,7 +349,7 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits) -
         )
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     tools = plan_tools(req, template_style(tokenizer))
-    grammar = response_format_grammar(req.response_format)
+    grammar = _output_grammar(req)
     if grammar is not None and tools is not None:
         raise APIError(
             400, "'response_format' cannot be combined with tools the model may call on this "
@@ -250,7 +363,11 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits) -
                 "call on this server; send 'stream': false, or 'tool_choice': 'none'.",
                 param="logprobs",
             )
-    prompt_ids = render_chat(tokenizer, req.messages, tools=tools)
+    prompt_text = render_chat_text(
+        tokenizer, req.messages, req.add_generation_prompt is not False, tools,
+        req.chat_template_kwargs, bool(req.continue_final_message),
+    )
+    prompt_ids = encoder(tokenizer)(prompt_text)
     check_context(len(prompt_ids), max_tokens, limits, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return Plan(
@@ -263,8 +380,9 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits) -
         stop=req.stop_list(),
         logprobs=logprobs,
         stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
         tools=tools,
+        reasoning=reasoning_plan(prompt_text, tokenizer, reasoning),
+        **_text_options(req),
     )
 
 
@@ -274,7 +392,7 @@ def plan_completion(req: CompletionRequest, tokenizer: Any, limits: ModelLimits)
         raise APIError(
             400, "'best_of' different from 'n' is not supported by this server.", param="best_of"
         )
-    grammar = response_format_grammar(req.response_format)
+    grammar = _output_grammar(req)
     raw = split_prompts(req.prompt)
     batch = len(raw) > 1
     cap = limits.max_batch_sequences
@@ -308,6 +426,6 @@ def plan_completion(req: CompletionRequest, tokenizer: Any, limits: ModelLimits)
         stop=req.stop_list(),
         logprobs=req.logprobs,
         stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
         echo=echo,
+        **_text_options(req),
     )

@@ -4,24 +4,29 @@ Validation is strict (``"10"`` is not an integer, ``1`` is not a boolean) and co
 that passes here and the checks in :mod:`trio_infer.api.plans` is one the engine can serve, so
 nothing can fail "later" for a reason the client could have been told up front.
 
-Unknown fields are never silently ignored. A field of the OpenAI API that this server does not
-implement (``functions``, ``logit_bias``, ...) is rejected with a 400 naming it,
-unless its value asks for nothing (``null``, an empty list, ``false`` for ``store``): clients
-commonly send those. Fields that change nothing about the output by definition (``user``,
-``metadata``) are accepted.
+A field of the OpenAI API that this server does not implement (``functions``, ``prediction``,
+...) is rejected with a 400 naming it, unless its value asks for nothing (``null``, an empty list,
+``false`` for ``store``): clients commonly send those. Fields that change nothing about the output
+by definition (``user``, ``metadata``) are accepted. The vLLM extensions real clients send
+(``stream_options.continuous_usage_stats``, ``chat_template_kwargs``, ``min_tokens``,
+``guided_regex``, ...) are implemented as vLLM implements them. A field nobody defines follows
+the ``unknown_fields`` setting (:func:`check_fields`): ``reject`` (400 naming it, as OpenAI) or
+``warn`` (logged once per field name, then ignored, as vLLM).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from trio_infer.api.errors import APIError
 
+log = logging.getLogger(__name__)
+
 # A value in the tuple means "not asking for the feature": such a field is dropped, not rejected.
 _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
     "prediction": (None,),
@@ -41,15 +46,39 @@ UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
 }
 
 
-def check_fields(data: dict[str, Any], model: type[BaseModel], unsupported: dict[str, tuple]) -> dict:
+UnknownFields = Literal["reject", "warn"]
+
+# Field names already logged by the ``warn`` policy (once per name per process: a client that
+# sends one on every request does not flood the log). Bounded: a client inventing names cannot
+# grow it without limit.
+_WARNED: set[str] = set()
+_MAX_WARNED = 1024
+
+
+def check_fields(
+    data: dict[str, Any],
+    model: type[BaseModel],
+    unsupported: dict[str, tuple],
+    unknown: UnknownFields = "reject",
+) -> dict:
     """Drop unsupported fields that ask for nothing; reject the others with a 400 naming them.
 
-    Unknown fields that are not OpenAI fields are left in place for the model to reject
-    (``Unrecognized request argument supplied``).
+    Unknown fields (no OpenAI field, no extension this server implements) follow ``unknown``:
+    ``reject`` leaves them in place for the model to reject (``Unrecognized request argument
+    supplied``, a 400 naming the field, as OpenAI); ``warn`` logs each field name once and drops
+    it (vLLM's behaviour). Only top-level fields: a misspelt nested one is always a 400.
     """
     out = dict(data)
     for key, value in data.items():
-        if key in model.model_fields or key not in unsupported:
+        if key in model.model_fields:
+            continue
+        if key not in unsupported:
+            if unknown == "warn":
+                del out[key]
+                if key not in _WARNED and len(_WARNED) < _MAX_WARNED:
+                    _WARNED.add(key)
+                    log.warning("ignoring the unknown request field %r (unknown_fields=warn; "
+                                "logged once per field name)", key[:100])
             continue
         if any(type(value) is type(v) and value == v for v in unsupported[key]) or value is None:
             del out[key]
@@ -69,6 +98,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    # vLLM's extension (guidellm sends it): usage on every chunk, not only in the last one.
+    continuous_usage_stats: bool | None = False
 
 
 class TextPart(_Strict):
@@ -143,6 +174,21 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` (one of them): output matching a JSON schema, a regular
+    expression, one of the given strings, or a Lark grammar (api/structured.py)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                 Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]]
+
+
 class _SamplingFields(_Strict):
     """Sampling and stopping fields shared by both endpoints. ``None`` means "the default"."""
 
@@ -166,6 +212,19 @@ class _SamplingFields(_Strict):
     stop_token_ids: Annotated[list[int], Field(max_length=64)] | None = None
     ignore_eos: bool | None = False
     user: str | None = None  # accepted: identifies the end user, changes nothing
+    # OpenAI's logit_bias: token id (as a string) -> bias in [-100, 100], added to its logit.
+    logit_bias: Annotated[LogitBias, Field(max_length=1024)] | None = None
+    # vLLM's extensions (sampling and stopping).
+    min_tokens: Annotated[int, Field(ge=0, lt=2**31)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=100, allow_inf_nan=False)] | None = None
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    # vLLM's structured outputs: the older guided_* fields and the newer structured_outputs.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -183,6 +242,13 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     metadata: dict[str, str] | None = None  # accepted: stored nowhere, changes nothing
+    # vLLM's extensions of the chat template: variables for it (``enable_thinking``, ...), no
+    # generation prompt, or the last (assistant) message continued rather than closed.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    # Reasoning models: the most tokens the model may think before its thinking is closed.
+    thinking_budget: Annotated[int, Field(ge=0, lt=2**31)] | None = None
 
 
 class CompletionRequest(_SamplingFields):

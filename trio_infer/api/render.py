@@ -188,6 +188,11 @@ class Serializer:
             self._head["usage"] = None  # OpenAI: null on every chunk but the usage one
         # 'data: {"id":...,"model":...,"choices":[{"index":' : everything before the index.
         self._prefix = "data: " + sse.dumps(self._head)[:-1] + ',"choices":[{"index":'
+        # continuous_usage_stats (vLLM): every chunk's usage is the request's so far, so the
+        # prefix is rendered again per write, from the head without its usage.
+        self._bare = "data: " + sse.dumps(_head(plan, self.object_name))[:-1]
+        if plan.continuous_usage:
+            self.usage_so_far(())
         # A choice's text and its finish in one chunk (OpenAI sends a plain answer's finish with
         # its last text, and a tool-calling answer's in a chunk of its own).
         self._merge_finish = plan.tools is None
@@ -196,8 +201,18 @@ class Serializer:
         """What the stream says before any event ("" for nothing)."""
         return ""
 
-    def write(self, events: Sequence[Event]) -> str | None:
-        """One read's events as SSE chunks (None when they say nothing)."""
+    def usage_so_far(self, choices: Sequence[ChoiceText]) -> None:
+        """With ``continuous_usage_stats``: the chunks written next carry this usage (the
+        prompt's tokens and the tokens ``choices`` have so far)."""
+        self._prefix = (self._bare + ',"usage":' + sse.dumps(usage(self.plan, choices))
+                        + ',"choices":[{"index":')
+
+    def write(self, events: Sequence[Event], choices: Sequence[ChoiceText] | None = None) -> str | None:
+        """One read's events as SSE chunks (None when they say nothing). ``choices``: with
+        ``continuous_usage_stats``, the request's choices, whose token counts are the usage
+        every chunk carries."""
+        if choices is not None:
+            self.usage_so_far(choices)
         out: list[str] = []
         i, count = 0, len(events)
         while i < count:

@@ -33,7 +33,7 @@ from typing import Any
 import trio
 from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST
-from quart import Quart, Response, g, make_response, request
+from quart import Quart, Response, current_app, g, make_response, request
 
 from trio_infer.api import sse
 from trio_infer.api.errors import (
@@ -66,7 +66,7 @@ from trio_infer.api.events import ResponseEvents
 from trio_infer.api.render import serializer
 from trio_infer.api.state import ServerState, server_state
 from trio_infer.runtime.errors import EngineError
-from trio_infer.runtime.text_stream import open_batch_text_stream
+from trio_infer.runtime.text_stream import TextOptions, open_batch_text_stream
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ async def parse_body(model: type[BaseModel], unsupported: dict[str, tuple] | Non
                 param=where or None,
             )
     if unsupported is not None:
-        data = check_fields(data, model, unsupported)
+        data = check_fields(data, model, unsupported, server_state(current_app).settings.unknown_fields)
     return model.model_validate(data)
 
 
@@ -330,7 +330,7 @@ def register_routes(app: Quart) -> None:
     async def chat_completions() -> Response:
         state = server_state(app).ready()
         req = await parse_body(ChatCompletionRequest, UNSUPPORTED_CHAT)
-        return await _serve(state, plan_chat(req, state.tokenizer, state.limits))
+        return await _serve(state, plan_chat(req, state.tokenizer, state.limits, state.settings.reasoning))
 
     @app.post("/v1/completions")
     async def completions() -> Response:
@@ -363,6 +363,10 @@ def register_routes(app: Quart) -> None:
         return json_response({"prompt": state.tokenizer.decode(req.tokens)})
 
 
+def _options(plan: Plan) -> TextOptions:
+    return TextOptions(plan.skip_special_tokens, plan.include_stop_str)
+
+
 async def _serve(state: ServerState, plan: Plan) -> Response:
     if plan.stream:
         return await _stream(state, plan)
@@ -371,7 +375,7 @@ async def _serve(state: ServerState, plan: Plan) -> Response:
 
 async def _complete(state: ServerState, plan: Plan) -> Response:
     async with open_batch_text_stream(
-        state.engine, state.tokenizer, plan.prompts, plan.params, plan.stop
+        state.engine, state.tokenizer, plan.prompts, plan.params, plan.stop, options=_options(plan)
     ) as text:
         async for _ in text:
             pass
@@ -396,12 +400,13 @@ async def _stream(state: ServerState, plan: Plan) -> Response:
             if first:
                 yield first
             async with open_batch_text_stream(
-                engine, tokenizer, plan.prompts, plan.params, plan.stop, interval
+                engine, tokenizer, plan.prompts, plan.params, plan.stop, interval, _options(plan)
             ) as text:
+                counts = text.choices if plan.continuous_usage else None
                 async for deltas in text:
                     # One write per read of the stream, whatever it held: each write is an ASGI
                     # send, which costs far more than joining strings (sse.py).
-                    chunks = writer.write(events.feed(deltas))
+                    chunks = writer.write(events.feed(deltas), counts)
                     if chunks is not None:
                         yield chunks
             tail = writer.usage_chunk(text.choices) if plan.include_usage else ""

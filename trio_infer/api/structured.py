@@ -1,4 +1,5 @@
-"""Structured output: ``response_format`` (and the tool-call forms of ``api/tools.py``) as
+"""Structured output: ``response_format``, vLLM's ``guided_*`` / ``structured_outputs`` (a JSON
+schema, a regular expression, a choice of strings, a Lark grammar) (and the tool-call forms of ``api/tools.py``) as
 llguidance grammars, validated here, once, before anything runs.
 
 What goes to the engine is the grammar's *source* (llguidance's JSON text, in
@@ -13,6 +14,7 @@ not pad a document with whitespace forever, and every document the grammar accep
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import llguidance
@@ -44,14 +46,15 @@ def lark_source(lark: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
-def check_grammar(source: str, param: str) -> None:
+def check_grammar(source: str, param: str, code: str = "invalid_json_schema") -> None:
     error = llguidance.LLMatcher.validate_grammar(source)
     if error:
+        what = "grammar" if code == "invalid_grammar" else "schema"
         raise APIError(
             400,
-            f"The schema cannot be used for constrained decoding: {error.strip()}",
+            f"The {what} cannot be used for constrained decoding: {error.strip()}",
             param=param,
-            code="invalid_json_schema",
+            code=code,
         )
 
 
@@ -73,3 +76,54 @@ def response_format_grammar(fmt: ResponseFormat | None) -> str | None:
     # OpenAI: no schema means any JSON value is accepted.
     schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
     return json_schema_grammar(schema, "response_format.json_schema.schema")
+
+
+def _choice_lark(choices: list[str]) -> str:
+    """A Lark grammar whose sentences are exactly ``choices`` (JSON string literals are Lark's)."""
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _one(source: str, param: str) -> str:
+    check_grammar(source, param, code="invalid_grammar")
+    return source
+
+
+def extension_grammar(req: Any) -> str | None:
+    """The grammar of vLLM's structured-output fields of a request, or None when it sends none:
+    ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (a Lark grammar,
+    as llguidance reads it) or ``structured_outputs`` with one of ``json``, ``regex``,
+    ``choice``, ``grammar``, ``json_object``. At most one may be set."""
+    asked: list[tuple[str, Any]] = [
+        (name, getattr(req, name)) for name in ("guided_json", "guided_regex", "guided_choice",
+                                                 "guided_grammar") if getattr(req, name, None) is not None
+    ]
+    so = getattr(req, "structured_outputs", None)
+    if so is not None:
+        asked += [(f"structured_outputs.{name}", value) for name, value in (
+            ("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+            ("grammar", so.grammar), ("json_object", so.json_object or None),
+        ) if value is not None]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise APIError(400, f"Send one structured-output constraint, not {len(asked)} "
+                       f"({', '.join(name for name, _ in asked)}).", param=asked[1][0])
+    param, value = asked[0]
+    kind = param.rsplit(".", 1)[-1].removeprefix("guided_")
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise APIError(400, f"The JSON schema is not valid JSON: {exc}", param=param,
+                               code="invalid_json_schema") from None
+        return json_schema_grammar(value, param)
+    if kind == "json_object":
+        return json_schema_grammar({"type": "object"}, param)
+    if kind == "regex":
+        return _one(llguidance.LLMatcher.grammar_from_regex(value), param)
+    if kind == "choice":
+        if any(c == "" for c in value):
+            raise APIError(400, "A choice must not be empty.", param=param)
+        return _one(lark_source(_choice_lark(value)), param)
+    return _one(lark_source(value), param)

@@ -166,6 +166,9 @@ class Engine:
         )
         if params.prompt_logprobs is not None:
             seq.prompt_lps = [None]  # the first prompt token has no context
+        if params.min_tokens:
+            eos = () if params.ignore_eos else sorted(self.eos_token_ids)
+            seq.min_tokens_block = tuple(dict.fromkeys([*eos, *params.stop_token_ids]))
         self._seqs[uid] = seq
         self.scheduler.add(seq)
 

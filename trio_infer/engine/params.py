@@ -20,6 +20,10 @@ class SamplingParams:
     and validates it, ``api/structured.py``); the engine compiles it and masks every step's logits
     with it (``engine/grammar.py``). Such a sequence ends only when its grammar is complete (EOS,
     or nothing more can follow), or by ``max_tokens`` or the context ("length").
+    ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled before the sequence has that
+    many output tokens. ``repetition_penalty`` (1 = none): the logit of every token already in
+    the prompt or the output is divided by it when positive, multiplied when negative (vLLM's,
+    CTRL's). ``logit_bias``: (token id, bias) pairs added to those tokens' logits (OpenAI's).
     """
 
     max_tokens: int | None = None
@@ -35,6 +39,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: str | None = None
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 0:
@@ -51,6 +58,10 @@ class SamplingParams:
             raise ValueError("logprobs must be >= 0")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError("prompt_logprobs must be >= 0")
+        if self.min_tokens < 0:
+            raise ValueError("min_tokens must be >= 0")
+        if not self.repetition_penalty > 0:
+            raise ValueError("repetition_penalty must be > 0")
 
     @property
     def greedy(self) -> bool:
@@ -59,3 +70,10 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether the sampler changes this sequence's logits before any mask (penalties,
+        ``repetition_penalty``, ``logit_bias``, ``min_tokens``)."""
+        return (self.penalized or self.repetition_penalty != 1.0 or bool(self.logit_bias)
+                or self.min_tokens > 0)

@@ -20,6 +20,7 @@ unconstrained request samples the same tokens whoever shares its batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -73,10 +74,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None 
     vocab = logits.shape[-1]
 
     for i, p in enumerate(params):
-        if p.penalized and seqs[i].num_output_tokens:
-            out = torch.tensor(seqs[i].output_ids, device=logits.device)
-            counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if p.adjusted:
+            _adjust(logits[i], seqs[i], p, vocab)
 
     if masks is not None:
         masks.apply(logits)
@@ -101,6 +100,27 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None 
                 top=tuple(zip(top.indices.tolist(), top.values.tolist())) if top else (),
             )
     return SampleResult(token_ids, out_lps)
+
+
+def _adjust(row: torch.Tensor, seq: Sequence, p: Any, vocab: int) -> None:
+    """One row's logits changed in place by its sequence's penalties, ``logit_bias`` and
+    ``min_tokens`` (in that order, as vLLM applies them)."""
+    device = row.device
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        seen[torch.tensor(seq.token_ids, device=device).clamp_(0, vocab - 1)] = True
+        penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        row.copy_(torch.where(seen, penalized, row))
+    if p.penalized and seq.num_output_tokens:
+        out = torch.tensor(seq.output_ids, device=device)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.int64, device=device)
+        bias = torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=row.dtype, device=device)
+        row.index_add_(0, ids, bias)
+    if p.min_tokens and seq.num_output_tokens < p.min_tokens and seq.min_tokens_block:
+        row[list(seq.min_tokens_block)] = float("-inf")
 
 
 def _sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -52,6 +52,9 @@ class Sequence:
     # The grammar state of a constrained sequence (an llguidance matcher that has consumed every
     # output token), None otherwise; dropped when the sequence ends (engine/grammar.py).
     matcher: Any = None
+    # The token ids ``params.min_tokens`` forbids until the sequence has that many output tokens
+    # (its EOS ids unless ignore_eos, and its stop_token_ids); set by Engine.add_request.
+    min_tokens_block: tuple[int, ...] = ()
 
     @property
     def num_output_tokens(self) -> int:

@@ -7,7 +7,8 @@ either the next piece breaks the match (the tail is released) or completes it (t
 everything after, is dropped). The held-back tail is shorter than the longest stop string, so the
 memory per request is bounded.
 
-As in the OpenAI API, the stop string itself is not part of the output. When several stop strings
+As in the OpenAI API, the stop string itself is not part of the output (unless ``include``:
+vLLM's ``include_stop_str_in_output``, then the text ends with it). When several stop strings
 match, the one that is complete first (at the earliest end position) cuts the text.
 """
 
@@ -19,7 +20,8 @@ from typing import Iterable
 class StopStringMatcher:
     """Feed text pieces; get back the text that is safe to emit, and whether a stop was hit."""
 
-    def __init__(self, stop: Iterable[str] = ()) -> None:
+    def __init__(self, stop: Iterable[str] = (), include: bool = False) -> None:
+        self._include = include
         self._stops = tuple(dict.fromkeys(s for s in stop))  # ordered, de-duplicated
         if any(not s for s in self._stops):
             raise ValueError("stop strings must not be empty")
@@ -55,7 +57,7 @@ class StopStringMatcher:
             self.stopped = True
             self.matched = best[2]
             self._held = ""
-            return buf[: best[1]]
+            return buf[: best[0] if self._include else best[1]]
         keep = self._partial_tail(buf)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep]

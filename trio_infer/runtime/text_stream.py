@@ -118,9 +118,27 @@ class ChoiceText:
         return delta
 
 
-def _choices(tokenizer: Any, prompts: Sequence[list[int]], n: int, stop: Sequence[str]) -> list[ChoiceText]:
+@dataclass(frozen=True)
+class TextOptions:
+    """How a request's text is made from its tokens: special tokens dropped (vLLM's
+    ``skip_special_tokens``, true by default) and the stop string that ended a choice kept at
+    its end (``include_stop_str_in_output``)."""
+
+    skip_special_tokens: bool = True
+    include_stop_str: bool = False
+
+
+DEFAULT_TEXT = TextOptions()
+
+
+def _choices(tokenizer: Any, prompts: Sequence[list[int]], n: int, stop: Sequence[str],
+             options: TextOptions = DEFAULT_TEXT) -> list[ChoiceText]:
     return [
-        ChoiceText(j * n + i, IncrementalDetokenizer(tokenizer, prompt), StopStringMatcher(stop))
+        ChoiceText(
+            j * n + i,
+            IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=options.skip_special_tokens),
+            StopStringMatcher(stop, include=options.include_stop_str),
+        )
         for j, prompt in enumerate(prompts)
         for i in range(n)
     ]
@@ -140,11 +158,12 @@ class TextStream:
         interval: int = 1,
         *,
         batch: bool = False,
+        options: TextOptions = DEFAULT_TEXT,
     ) -> None:
         self._stream = stream
         self._interval = interval
         prompts: Sequence[list[int]] = prompt_ids if batch else [prompt_ids]
-        self.choices = _choices(tokenizer, prompts, n, stop)
+        self.choices = _choices(tokenizer, prompts, n, stop, options)
         self.num_prompt_tokens = sum(len(p) for p in prompts)
 
     @property
@@ -246,6 +265,7 @@ async def open_batch_text_stream(
     params: list[SamplingParams],
     stop: Sequence[str] = (),
     interval: int = 1,
+    options: TextOptions = DEFAULT_TEXT,
 ) -> AsyncIterator[ChoiceTexts]:
     """:func:`open_text_stream` over several prompts, each with ``len(params)`` choices, in one
     session: each choice of each prompt is its own engine sequence, and leaving the block ends
@@ -258,4 +278,5 @@ async def open_batch_text_stream(
     else:
         cm = engine.generate_batch(prompts, params)
     async with cm as stream:
-        yield TextStream(stream, tokenizer, prompts, len(params), stop, interval, batch=True)
+        yield TextStream(stream, tokenizer, prompts, len(params), stop, interval, batch=True,
+                         options=options)
