@@ -1,0 +1,393 @@
+"""The vLLM extensions and OpenAI fields of issue 22 on the fake model (exact outputs), in process:
+``stream_options.continuous_usage_stats``, ``logit_bias``, ``min_tokens``, ``stop_token_ids``,
+``repetition_penalty``, ``skip_special_tokens``, ``include_stop_str_in_output``, the structured
+outputs by regex, choice and Lark grammar, ``chat_template_kwargs``, ``add_generation_prompt``,
+``continue_final_message``, the ``unknown_fields`` policy, and a reasoning model's thinking split
+into ``reasoning_content``.
+
+The fake model's logits are 1 on its next token and 0 elsewhere (EOS far below), so a bias of a
+few units decides the greedy token exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from trio_infer.api.errors import APIError
+from trio_infer.api.events import Content, Finish, Reasoning, ResponseEvents, ThinkSplit
+from trio_infer.api.plans import ModelLimits, ReasoningPlan, plan_chat, template_thinks
+from trio_infer.api.protocol import ChatCompletionRequest
+from trio_infer.engine.engine import Engine, EngineConfig
+from trio_infer.engine.grammar import Grammars
+from trio_infer.engine.params import SamplingParams
+from trio_infer.engine.sampler import _adjust
+from trio_infer.models.fake import FakeModel
+from trio_infer.models.synthetic import IM_END, IM_START_ID, build_tokenizer
+from trio_infer.runtime.text_stream import ChoiceDelta
+
+from .helpers import all_zero, chat_body, expected, make_app, parse_sse, post_stream, running
+
+# A Qwen3-style chat template (the parts that matter here: earlier turns' thinking dropped,
+# ``enable_thinking`` false writes an empty thinking block after the generation prompt).
+QWEN3_STYLE_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- set content = message.content %}"
+    "{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The synthetic tokenizer with Qwen3's think tags as tokens (not special: Qwen3's are not,
+    so they stay in decoded text) and a Qwen3-style template."""
+    tok = build_tokenizer(tmp_path_factory.mktemp("thinking-tokenizer"))
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = QWEN3_STYLE_TEMPLATE
+    return tok
+
+
+def engine_with_grammars(tokenizer: Any) -> Engine:
+    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    model = FakeModel(vocab_size=len(tokenizer), max_model_len=4096, eos_token_id=eos)
+    config = EngineConfig(page_size=16, num_pages=512, max_running=8, max_batched_tokens=256)
+    grammars = Grammars.for_hf_tokenizer(tokenizer, len(tokenizer), [eos])
+    return Engine(model, config, grammars=grammars)
+
+
+@pytest.fixture
+async def client(tokenizer):  # type: ignore[no-untyped-def]
+    app = make_app(tokenizer, engine_with_grammars(tokenizer))
+    async with running(app) as c:
+        yield c
+        assert all_zero(app)
+
+
+def completion(prompt: list[int], **kw: Any) -> dict[str, Any]:
+    return {"model": "fake", "prompt": prompt, "temperature": 0, **kw}
+
+
+PROMPT = [300, 301, 302, 303]
+
+
+# -- continuous_usage_stats ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_continuous_usage_stats_puts_usage_on_every_chunk(client, path: str) -> None:
+    body = chat_body("hi", max_tokens=5, temperature=0) if "chat" in path else completion(PROMPT, max_tokens=5)
+    body.update(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    status, raw = await post_stream(client, path, body)
+    assert status == 200
+    *chunks, last_usage, done = parse_sse(raw)
+    assert done == "[DONE]" and last_usage["choices"] == [] and last_usage["usage"]["completion_tokens"] == 5
+    prompt_tokens = last_usage["usage"]["prompt_tokens"]
+    seen = []
+    for chunk in chunks:
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == prompt_tokens
+        assert usage["total_tokens"] == prompt_tokens + usage["completion_tokens"]
+        seen.append(usage["completion_tokens"])
+    assert seen == sorted(seen) and seen[-1] == 5
+    # Without it, usage is null on every chunk but the last (OpenAI's include_usage).
+    body["stream_options"] = {"include_usage": True}
+    *chunks, last_usage, _ = parse_sse((await post_stream(client, path, body))[1])
+    assert all(c["usage"] is None for c in chunks) and last_usage["usage"]["completion_tokens"] == 5
+    # As vLLM: continuous_usage_stats alone (no include_usage) adds nothing.
+    body["stream_options"] = {"continuous_usage_stats": True}
+    *chunks, _ = parse_sse((await post_stream(client, path, body))[1])
+    assert all("usage" not in c for c in chunks)
+
+
+# -- sampling fields -----------------------------------------------------------------------------
+
+
+async def test_logit_bias_decides_the_greedy_token(client, tokenizer) -> None:
+    r = await client.post("/v1/completions", json=completion(PROMPT, max_tokens=4, logit_bias={"77": 5}))
+    assert r.status_code == 200
+    assert (await r.get_json())["choices"][0]["text"] == tokenizer.decode([77] * 4)
+    # A bias of -100 on what the model would say makes it say something else.
+    first = expected(tokenizer, PROMPT, 1)[0]
+    r = await client.post("/v1/completions", json=completion(PROMPT, max_tokens=1, logit_bias={str(first): -100}))
+    assert (await r.get_json())["choices"][0]["text"] != tokenizer.decode([first])
+    for bad in ({"x": 1}, {"1": 101}, {str(len(tokenizer) + 5): 1}):
+        r = await client.post("/v1/completions", json=completion(PROMPT, max_tokens=1, logit_bias=bad))
+        assert r.status_code == 400 and (await r.get_json())["error"]["param"].startswith("logit_bias"), bad
+
+
+async def test_min_tokens_holds_back_stop_tokens(client, tokenizer) -> None:
+    # Token 77 is pushed to the top and is a stop token: the answer ends at once...
+    body = completion(PROMPT, max_tokens=10, logit_bias={"77": 5}, stop_token_ids=[77])
+    r = await client.post("/v1/completions", json=body)
+    out = await r.get_json()
+    assert out["choices"][0]["text"] == "" and out["choices"][0]["finish_reason"] == "stop"
+    assert out["usage"]["completion_tokens"] == 1
+    # ...unless min_tokens forbids it for the first 3 tokens (the model's own tokens come then).
+    r = await client.post("/v1/completions", json={**body, "min_tokens": 3})
+    out = await r.get_json()
+    assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 4
+    assert out["choices"][0]["text"] == tokenizer.decode(expected(tokenizer, PROMPT, 3))
+    r = await client.post("/v1/completions", json=completion(PROMPT, max_tokens=2, min_tokens=3))
+    assert r.status_code == 400 and (await r.get_json())["error"]["param"] == "min_tokens"
+
+
+def test_repetition_penalty_and_min_tokens_in_the_sampler() -> None:
+    class Seq:
+        token_ids = [1, 2, 5]
+        num_prompt_tokens = 2
+        num_output_tokens = 1
+        output_ids = [5]
+        min_tokens_block = (0,)
+
+    row = torch.tensor([3.0, 2.0, -2.0, 1.0, 0.0, 4.0])
+    _adjust(row, Seq(), SamplingParams(repetition_penalty=2.0, min_tokens=2), 6)  # type: ignore[arg-type]
+    # Seen tokens (prompt and output: 1, 2, 5): positive logits halved, negative ones doubled;
+    # token 0 (the EOS here) forbidden while fewer than min_tokens were generated.
+    assert row.tolist() == [float("-inf"), 1.0, -4.0, 1.0, 0.0, 2.0]
+    row = torch.tensor([3.0, 2.0, -2.0, 1.0, 0.0, 4.0])
+    _adjust(row, Seq(), SamplingParams(min_tokens=1, logit_bias=((3, 1.5),)), 6)  # type: ignore[arg-type]
+    assert row.tolist() == [3.0, 2.0, -2.0, 2.5, 0.0, 4.0]
+
+
+async def test_repetition_penalty_is_checked(client) -> None:
+    r = await client.post("/v1/completions", json=completion(PROMPT, max_tokens=2, repetition_penalty=1.3))
+    assert r.status_code == 200
+    r = await client.post("/v1/completions", json=completion(PROMPT, max_tokens=2, repetition_penalty=0))
+    assert r.status_code == 400 and (await r.get_json())["error"]["param"] == "repetition_penalty"
+
+
+# -- the text ------------------------------------------------------------------------------------
+
+
+async def test_skip_special_tokens(client) -> None:
+    body = completion(PROMPT, max_tokens=3, logit_bias={str(IM_START_ID): 5})
+    r = await client.post("/v1/completions", json=body)
+    assert (await r.get_json())["choices"][0]["text"] == ""
+    r = await client.post("/v1/completions", json={**body, "skip_special_tokens": False})
+    assert (await r.get_json())["choices"][0]["text"] == "<|im_start|>" * 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_include_stop_str_in_output(client, tokenizer, stream: bool) -> None:
+    whole = tokenizer.decode(expected(tokenizer, PROMPT, 12))
+    stop = whole[5:8]
+    cut = whole[: whole.find(stop)]
+    for include, want in ((False, cut), (True, cut + stop)):
+        body = completion(PROMPT, max_tokens=12, stop=[stop], include_stop_str_in_output=include, stream=stream)
+        if stream:
+            events = parse_sse((await post_stream(client, "/v1/completions", body))[1])
+            text = "".join(e["choices"][0]["text"] for e in events[:-1])
+        else:
+            text = (await (await client.post("/v1/completions", json=body)).get_json())["choices"][0]["text"]
+        assert text == want, include
+
+
+# -- structured outputs by regex, choice and grammar ---------------------------------------------
+
+
+@pytest.mark.parametrize("field, value, check", [
+    ("guided_regex", "[0-9]{3}-[a-z]{2}", lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+    ("guided_choice", ["harbour", "hill", "river"], lambda t: t in ("harbour", "hill", "river")),
+    ("guided_grammar", 'start: "ab" NUM\nNUM: /[0-9]{2}/', lambda t: re.fullmatch("ab[0-9]{2}", t)),
+    ("guided_json", {"type": "object", "properties": {"a": {"type": "boolean"}},
+                     "required": ["a"], "additionalProperties": False},
+     lambda t: t in ('{"a":true}', '{"a":false}')),
+    ("structured_outputs", {"regex": "x{4}"}, lambda t: t == "xxxx"),
+    ("structured_outputs", {"choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+    ("structured_outputs", {"grammar": 'start: "q" ("r" | "s")'}, lambda t: t in ("qr", "qs")),
+])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_structured_outputs(client, path: str, field: str, value: Any, check: Any) -> None:
+    base = chat_body("hi", max_tokens=40, temperature=0) if "chat" in path else completion(PROMPT, max_tokens=40)
+    r = await client.post(path, json={**base, field: value})
+    assert r.status_code == 200, await r.get_json()
+    choice = (await r.get_json())["choices"][0]
+    text = choice["message"]["content"] if "chat" in path else choice["text"]
+    assert check(text), text
+    assert choice["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"guided_regex": "["}, "guided_regex"),
+    ({"guided_grammar": "start: nothing_here"}, "guided_grammar"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a", "grammar": "start: \"a\""}}, "structured_outputs.grammar"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
+])
+async def test_structured_outputs_refused_before_anything_runs(client, body: dict, param: str) -> None:
+    r = await client.post("/v1/completions", json=completion(PROMPT, max_tokens=3, **body))
+    assert r.status_code == 400
+    assert (await r.get_json())["error"]["param"] == param
+
+
+# -- unknown fields --------------------------------------------------------------------------------
+
+
+async def test_unknown_fields_rejected_by_default(client) -> None:
+    r = await client.post("/v1/chat/completions", json=chat_body(max_tokens=1, frobnicate_reject=1))
+    assert r.status_code == 400
+    err = (await r.get_json())["error"]
+    assert err["param"] == "frobnicate_reject" and "frobnicate_reject" in err["message"]
+
+
+async def test_unknown_fields_warned_once_and_ignored(tokenizer, caplog) -> None:
+    app = make_app(tokenizer, unknown_fields="warn")
+    async with running(app) as c:
+        with caplog.at_level(logging.WARNING, logger="trio_infer.api.protocol"):
+            for path, body in [("/v1/chat/completions", chat_body(max_tokens=1, frobnicate_warn=1)),
+                               ("/v1/completions", completion(PROMPT, max_tokens=1, frobnicate_warn={"a": 1})),
+                               ("/v1/chat/completions", chat_body(max_tokens=1, frobnicate_warn=2))]:
+                r = await c.post(path, json=body)
+                assert r.status_code == 200, await r.get_json()
+        # OpenAI fields this server does not implement stay refused: they would change the answer.
+        r = await c.post("/v1/chat/completions", json=chat_body(max_tokens=1, functions=[{"name": "f"}]))
+        assert r.status_code == 400 and (await r.get_json())["error"]["param"] == "functions"
+        # Nested unknown fields are refused whatever the policy.
+        r = await c.post("/v1/chat/completions", json=chat_body(max_tokens=1, stream=True,
+                                                               stream_options={"frobnicate": 1}))
+        assert r.status_code == 400
+    warned = [rec for rec in caplog.records if "frobnicate_warn" in rec.getMessage()]
+    assert len(warned) == 1
+
+
+# -- the chat template -----------------------------------------------------------------------------
+
+
+LIMITS = ModelLimits(name="fake", max_model_len=4096, vocab_size=2048, max_n=8)
+
+
+def chat_request(messages: list[dict[str, str]], **kw: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "fake", "messages": messages, **kw})
+
+
+def hf_ids(tokenizer: Any, messages: list[dict[str, str]], **kw: Any) -> list[int]:
+    """transformers' own prompt ids (newer versions return a BatchEncoding)."""
+    out = tokenizer.apply_chat_template(messages, tokenize=True, **kw)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Where is the harbour?"},
+    {"role": "assistant", "content": "<think>\nThey ask about the harbour.\n</think>\n\nDown the hill."},
+    {"role": "user", "content": "And the river?"},
+]
+
+
+@pytest.mark.parametrize("kwargs", [None, {"enable_thinking": True}, {"enable_thinking": False}])
+def test_prompt_ids_equal_transformers_apply_chat_template(thinking_tokenizer, kwargs) -> None:
+    req = chat_request(CONVERSATION, **({"chat_template_kwargs": kwargs} if kwargs is not None else {}))
+    plan = plan_chat(req, thinking_tokenizer, LIMITS)
+    want = hf_ids(thinking_tokenizer, CONVERSATION, add_generation_prompt=True, **(kwargs or {}))
+    assert plan.prompts[0] == want
+    closed = "<think>\n\n</think>\n\n"
+    assert thinking_tokenizer.decode(plan.prompts[0]).endswith(closed) == (kwargs == {"enable_thinking": False})
+    # The template thinks, and the prompt does not leave the model thinking: its output may open
+    # a thinking block (or not, when told not to think).
+    assert plan.reasoning == ReasoningPlan(thinking=False)
+
+
+def test_add_generation_prompt_and_continue_final_message(thinking_tokenizer) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    for kw, hf in [
+        ({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+        ({"add_generation_prompt": False, "continue_final_message": True},
+         {"add_generation_prompt": False, "continue_final_message": True}),
+    ]:
+        plan = plan_chat(chat_request(messages, **kw), thinking_tokenizer, LIMITS)
+        assert plan.prompts[0] == hf_ids(thinking_tokenizer, messages, **hf)
+    text = thinking_tokenizer.decode(plan.prompts[0])
+    assert text.endswith("The colour is")
+    with pytest.raises(APIError) as e:
+        plan_chat(chat_request(messages, continue_final_message=True), thinking_tokenizer, LIMITS)
+    assert e.value.param == "continue_final_message"
+    with pytest.raises(APIError) as e:
+        plan_chat(chat_request(messages, chat_template_kwargs={"tokenize": True}), thinking_tokenizer, LIMITS)
+    assert e.value.param == "chat_template_kwargs.tokenize"
+
+
+def test_reasoning_detected_from_the_template_and_the_tokens(tokenizer, thinking_tokenizer) -> None:
+    assert template_thinks(thinking_tokenizer) and not template_thinks(tokenizer)
+    assert plan_chat(chat_request(CONVERSATION), tokenizer, LIMITS).reasoning is None
+    assert plan_chat(chat_request(CONVERSATION), tokenizer, LIMITS, reasoning="on").reasoning is not None
+    assert plan_chat(chat_request(CONVERSATION), thinking_tokenizer, LIMITS, reasoning="off").reasoning is None
+
+
+# -- the reasoning split ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, thinking, want", [
+    ("<think>\nLet me see.\n</think>\n\nThe answer.", False, ("\nLet me see.\n", "The answer.")),
+    ("  <think>a</think>b", False, ("a", "b")),
+    ("The answer, no thinking.", False, ("", "The answer, no thinking.")),
+    ("<thinking is a word", False, ("", "<thinking is a word")),
+    ("still thinking</think>\n\nanswer <think> kept", True, ("still thinking", "answer <think> kept")),
+    ("<think>cut by max_tokens </thi", False, ("cut by max_tokens </thi", "")),
+    ("", False, ("", "")),
+])
+def test_think_split_is_the_same_whatever_the_pieces(text: str, thinking: bool, want: tuple[str, str]) -> None:
+    plan = ReasoningPlan(thinking=thinking)
+    assert ThinkSplit(plan).feed(text, final=True) == want
+    for size in (1, 2, 3, 5):
+        split = ThinkSplit(plan)
+        pieces = [text[i : i + size] for i in range(0, len(text), size)] or [""]
+        got = [split.feed(p, final=k == len(pieces) - 1) for k, p in enumerate(pieces)]
+        assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == want, size
+
+
+def test_reasoning_events_from_deltas(thinking_tokenizer) -> None:
+    plan = plan_chat(chat_request(CONVERSATION), thinking_tokenizer, LIMITS)
+    events = ResponseEvents(plan)
+    out = []
+    for i, piece in enumerate(["<thi", "nk>ab", "c</th", "ink>\n", "\nDone", "."]):
+        out += events.feed([ChoiceDelta(0, piece, [], "stop" if i == 5 else None)])
+    assert out == [Reasoning(0, "ab"), Reasoning(0, "c"), Content(0, "Done"), Content(0, "."), Finish(0, "stop")]
+
+
+# The tags are tokens of their own, which llguidance treats as special: a Lark grammar names them
+# as such (<think>), as a client's grammar for a Qwen3 model would.
+THINKING_GRAMMAR = 'start: <think> "\\nabc\\n" </think> "\\n\\n" ("yes" | "no")'
+
+
+@pytest.fixture
+async def thinking_client(thinking_tokenizer):  # type: ignore[no-untyped-def]
+    app = make_app(thinking_tokenizer, engine_with_grammars(thinking_tokenizer))
+    async with running(app) as c:
+        yield c
+        assert all_zero(app)
+
+
+async def test_reasoning_content_whole_and_streamed(thinking_client) -> None:
+    # A grammar makes the fake model think "\nabc\n" and then answer.
+    body = chat_body("hi", max_tokens=40, temperature=0, guided_grammar=THINKING_GRAMMAR)
+    r = await thinking_client.post("/v1/chat/completions", json=body)
+    message = (await r.get_json())["choices"][0]["message"]
+    assert message["reasoning_content"] == "\nabc\n" and message["content"] in ("yes", "no")
+    status, raw = await post_stream(thinking_client, "/v1/chat/completions", {**body, "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in parse_sse(raw)[:-1]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nabc\n"
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    # Told not to think (and its prompt closes the thinking), the same answer is all content.
+    body["chat_template_kwargs"] = {"enable_thinking": False}
+    del body["guided_grammar"]
+    body["guided_regex"] = "(yes|no)"
+    r = await thinking_client.post("/v1/chat/completions", json=body)
+    message = (await r.get_json())["choices"][0]["message"]
+    assert "reasoning_content" not in message and message["content"] in ("yes", "no")
