@@ -391,3 +391,74 @@ async def test_reasoning_content_whole_and_streamed(thinking_client) -> None:
     r = await thinking_client.post("/v1/chat/completions", json=body)
     message = (await r.get_json())["choices"][0]["message"]
     assert "reasoning_content" not in message and message["content"] in ("yes", "no")
+
+
+# -- structured output after the thinking ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_a_grammar_constrains_the_answer_after_the_thinking(thinking_tokenizer, thinking: bool) -> None:
+    import llguidance
+    import llguidance.hf
+
+    from trio_infer.api.structured import after_thinking, json_schema_grammar, lark_source
+
+    ll = llguidance.hf.from_tokenizer(thinking_tokenizer, n_vocab=len(thinking_tokenizer), eos_token=[2])
+    ids = lambda text: thinking_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    think_open, think_close = ids("<think>"), ids("</think>")
+    schema = json_schema_grammar({"type": "object", "properties": {"a": {"type": "boolean"}},
+                                  "required": ["a"], "additionalProperties": False}, "x")
+    for inner, answer in ((schema, '{"a":true}'), (lark_source('start: "yes" | "no"'), "no")):
+        source = after_thinking(inner, thinking)
+        assert not llguidance.LLMatcher.validate_grammar(source)
+        thought = ids("Some thought,\nthen more.") + think_close + ids("\n\n")
+        with_thinking = ([] if thinking else think_open) + thought + ids(answer)
+        cases = [(with_thinking, True), (ids(answer) + think_close, False), (ids("{") + think_open, False)]
+        if not thinking:  # no thinking at all is an answer too; a prompt that opened it must close it
+            cases.append((ids(answer), True))
+        for tokens, ok in cases:
+            m = llguidance.LLMatcher(ll, source)
+            assert (m.consume_tokens(tokens) and m.is_accepting()) == ok, (inner[:30], tokens)
+
+
+async def test_structured_output_on_a_thinking_model(thinking_client, thinking_tokenizer) -> None:
+    think = thinking_tokenizer.convert_tokens_to_ids("<think>")
+    close = thinking_tokenizer.convert_tokens_to_ids("</think>")
+    # Biased to open a thinking block and to close it at once: the grammar lets it think, then
+    # constrains the answer.
+    body = chat_body("hi", max_tokens=20, temperature=0, guided_choice=["yes", "no"],
+                     logit_bias={str(think): 10, str(close): 5})
+    r = await thinking_client.post("/v1/chat/completions", json=body)
+    choice = (await r.get_json())["choices"][0]
+    assert choice["message"]["content"] in ("yes", "no") and choice["finish_reason"] == "stop"
+    assert choice["message"].get("reasoning_content") in (None, "")
+    r = await thinking_client.post("/v1/completions", json=completion(
+        thinking_tokenizer.encode("hi"), max_tokens=20, guided_choice=["yes", "no"], logit_bias={str(think): 10}))
+    # Completions are not split: there the grammar constrains the text from its first token.
+    assert (await r.get_json())["choices"][0]["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_tool_calls_on_a_thinking_model(thinking_client, thinking_tokenizer, stream: bool) -> None:
+    think = thinking_tokenizer.convert_tokens_to_ids("<think>")
+    close = thinking_tokenizer.convert_tokens_to_ids("</think>")
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"],
+        "additionalProperties": False}}}
+    body = chat_body("hi", max_tokens=300, temperature=0, tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                     logit_bias={str(think): 10, str(close): 5}, stream=stream)
+    if stream:
+        events = parse_sse((await post_stream(thinking_client, "/v1/chat/completions", body))[1])
+        deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+        calls = [c for d in deltas for c in d.get("tool_calls") or ()]
+        name = calls[0]["function"]["name"]
+        arguments = "".join(c["function"]["arguments"] for c in calls)
+        finish = events[-2]["choices"][0]["finish_reason"]
+        assert not "".join(d.get("content") or "" for d in deltas)
+    else:
+        choice = (await (await thinking_client.post("/v1/chat/completions", json=body)).get_json())["choices"][0]
+        assert "tool_calls" in choice["message"], choice
+        [call] = choice["message"]["tool_calls"]
+        name, arguments, finish = call["function"]["name"], call["function"]["arguments"], choice["finish_reason"]
+        assert not choice["message"]["content"]
+    assert name == "pick" and arguments in ('{"x":true}', '{"x":false}') and finish == "tool_calls"

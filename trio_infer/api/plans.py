@@ -17,7 +17,7 @@ from typing import Any, Literal, Sequence
 
 from trio_infer.api.errors import APIError
 from trio_infer.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from trio_infer.api.structured import extension_grammar, response_format_grammar
+from trio_infer.api.structured import after_thinking, check_grammar, extension_grammar, response_format_grammar
 from trio_infer.api.tools import HERMES, ToolPlan, conversation, plan_tools, template_style
 from trio_infer.engine.params import SamplingParams
 from trio_infer.runtime.detokenizer import encoder
@@ -369,6 +369,13 @@ def plan_chat(
     )
     prompt_ids = encoder(tokenizer)(prompt_text)
     check_context(len(prompt_ids), max_tokens, limits, "messages")
+    think = reasoning_plan(prompt_text, tokenizer, reasoning)
+    if (think is not None and grammar is not None and template_thinks(tokenizer)
+            and think.close not in grammar):
+        # Structured output and tool calls constrain the answer, not the thinking before it
+        # (unless the grammar names the tags itself: then it constrains the thinking too).
+        grammar = after_thinking(grammar, think.thinking, think.open, think.close)
+        check_grammar(grammar, "response_format", code="invalid_grammar")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return Plan(
         kind="chat",
@@ -381,7 +388,7 @@ def plan_chat(
         logprobs=logprobs,
         stream=bool(req.stream),
         tools=tools,
-        reasoning=reasoning_plan(prompt_text, tokenizer, reasoning),
+        reasoning=think,
         **_text_options(req),
     )
 

@@ -127,3 +127,22 @@ def extension_grammar(req: Any) -> str | None:
             raise APIError(400, "A choice must not be empty.", param=param)
         return _one(lark_source(_choice_lark(value)), param)
     return _one(lark_source(value), param)
+
+
+def after_thinking(source: str, thinking: bool, open_tag: str = "<think>", close_tag: str = "</think>") -> str:
+    """``source`` constraining a reasoning model's answer only, after its thinking: the output
+    may first think freely (``<think>`` any text ``</think>``, then the template's blank line),
+    or, when the prompt left the model ``thinking``, starts inside the thinking and must close
+    it. The tags are named as the tokens they are (llguidance's ``<name>`` syntax for special
+    tokens); the answer is the grammar ``source`` unchanged, as a sub-grammar."""
+    if source.lstrip().startswith("{"):
+        whole = json.loads(source)
+    else:  # a Lark grammar's text
+        whole = {"grammars": [{"lark_grammar": source}]}
+    grammars = whole["grammars"]
+    answer = grammars[0].get("name") or "answer"
+    grammars[0]["name"] = answer
+    think = f'/(.|\\n)*/ {close_tag} "\\n\\n"?'
+    lark = f"start: {think} @{answer}" if thinking else f"start: ({open_tag} {think})? @{answer}"
+    whole["grammars"] = [{"name": "after_thinking", "lark_grammar": lark}, *grammars]
+    return json.dumps(whole, ensure_ascii=False, separators=(",", ":"))
