@@ -131,6 +131,11 @@ class Settings(BaseSettings):
         "tokenizer has both tags as tokens: Qwen3 and kin); 'on' always; 'off' never (the "
         "thinking stays in the content).",
     )
+    thinking_token_budget: int | None = Field(
+        None, ge=0, description="Reasoning models whose think tags are tokens: the most tokens "
+        "a request may think before the close tag is made its next token (a request's own "
+        "'thinking_token_budget' overrides it). Unset: no limit.",
+    )
 
     # -- processes ----------------------------------------------------------------------------
     api_workers: int = Field(

@@ -462,3 +462,47 @@ async def test_tool_calls_on_a_thinking_model(thinking_client, thinking_tokenize
         name, arguments, finish = call["function"]["name"], call["function"]["arguments"], choice["finish_reason"]
         assert not choice["message"]["content"]
     assert name == "pick" and arguments in ('{"x":true}', '{"x":false}') and finish == "tool_calls"
+
+
+# -- the thinking budget ---------------------------------------------------------------------------
+
+
+async def test_thinking_token_budget_closes_the_thinking(thinking_tokenizer) -> None:
+    # The grammar lets the model think letters for ever, then answer "ok".
+    body = chat_body("hi", max_tokens=30, temperature=0,
+                     guided_grammar='start: <think> /[a-z ]*/ </think> "ok"')
+    for default in (None, 3):
+        app = make_app(thinking_tokenizer, engine_with_grammars(thinking_tokenizer), thinking_token_budget=default)
+        async with running(app) as c:
+            r = await c.post("/v1/chat/completions", json=body)
+            out = await r.get_json()
+            choice = out["choices"][0]
+            if default is None:  # no budget: it thinks until max_tokens
+                assert choice["finish_reason"] == "length" and choice["message"]["content"] == ""
+            else:  # the server's default budget
+                assert choice["finish_reason"] == "stop" and choice["message"]["content"] == "ok"
+                assert len(thinking_tokenizer.encode(choice["message"]["reasoning_content"])) <= 3
+            # A request's own budget, streamed too.
+            for stream in (False, True):
+                request = {**body, "thinking_token_budget": 2, "stream": stream}
+                if stream:
+                    events = parse_sse((await post_stream(c, "/v1/chat/completions", request))[1])
+                    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+                    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+                    content = "".join(d.get("content") or "" for d in deltas)
+                    usage = None
+                else:
+                    out = await (await c.post("/v1/chat/completions", json=request)).get_json()
+                    reasoning = out["choices"][0]["message"]["reasoning_content"]
+                    content = out["choices"][0]["message"]["content"]
+                    usage = out["usage"]["completion_tokens"]
+                assert content == "ok" and reasoning
+                # <think>, 2 thought tokens, </think>, then "ok" (and the EOS that ends it)
+                if usage is not None:
+                    assert usage <= 1 + 2 + 1 + len(thinking_tokenizer.encode("ok")) + 1
+            assert all_zero(app)
+
+
+async def test_thinking_token_budget_needs_a_thinking_model(client) -> None:
+    r = await client.post("/v1/chat/completions", json=chat_body(max_tokens=2, thinking_token_budget=5))
+    assert r.status_code == 400 and (await r.get_json())["error"]["param"] == "thinking_token_budget"

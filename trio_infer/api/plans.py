@@ -265,6 +265,7 @@ def _sampling(
     limits: ModelLimits,
     prompt_logprobs: int | None = None,
     grammar: str | None = None,
+    thinking: tuple[int | None, tuple[int, ...]] = (None, ()),
 ) -> list[SamplingParams]:
     stop_token_ids = tuple(req.stop_token_ids or ())
     check_token_ids(stop_token_ids, limits.vocab_size, "stop_token_ids")
@@ -292,6 +293,8 @@ def _sampling(
         min_tokens=req.min_tokens or 0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=tuple((t, b) for t, b in bias if b != 0),
+        thinking_budget=thinking[0],
+        think_ids=thinking[1] if thinking[0] is not None else (),
     )
     # Choice i of a seeded request uses seed + i: the choices differ, and the whole request
     # replays exactly with the same seed. (In a batch, choice i of every prompt: a prompt gives
@@ -339,9 +342,14 @@ def _text_options(req: ChatCompletionRequest | CompletionRequest) -> dict[str, A
 
 
 def plan_chat(
-    req: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits, reasoning: str = "auto"
+    req: ChatCompletionRequest,
+    tokenizer: Any,
+    limits: ModelLimits,
+    reasoning: str = "auto",
+    thinking_token_budget: int | None = None,
 ) -> Plan:
-    """``reasoning``: the setting of that name (split a reasoning model's thinking out)."""
+    """``reasoning``, ``thinking_token_budget``: the settings of those names (split a reasoning
+    model's thinking out; the server's default budget)."""
     n = _common_checks(req, limits)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(
@@ -376,6 +384,15 @@ def plan_chat(
         # (unless the grammar names the tags itself: then it constrains the thinking too).
         grammar = after_thinking(grammar, think.thinking, think.open, think.close)
         check_grammar(grammar, "response_format", code="invalid_grammar")
+    budget = req.thinking_token_budget if req.thinking_token_budget is not None else thinking_token_budget
+    think_ids: tuple[int, ...] = ()
+    if budget is not None and think is not None and template_thinks(tokenizer):
+        think_ids = tuple(tokenizer.convert_tokens_to_ids([think.open, think.close]))
+    elif req.thinking_token_budget is not None:
+        raise APIError(400, "'thinking_token_budget' needs a reasoning model whose think tags are "
+                       "tokens; this one has none.", param="thinking_token_budget")
+    else:
+        budget = None
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return Plan(
         kind="chat",
@@ -383,7 +400,8 @@ def plan_chat(
         created=int(time.time()),
         model=limits.name,
         prompts=[prompt_ids],
-        params=_sampling(req, n, max_tokens, logprobs, limits, grammar=grammar),
+        params=_sampling(req, n, max_tokens, logprobs, limits, grammar=grammar,
+                         thinking=(budget, think_ids)),
         stop=req.stop_list(),
         logprobs=logprobs,
         stream=bool(req.stream),

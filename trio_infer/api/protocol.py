@@ -247,8 +247,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
-    # Reasoning models: the most tokens the model may think before its thinking is closed.
-    thinking_budget: Annotated[int, Field(ge=0, lt=2**31)] | None = None
+    # Reasoning models (vLLM's name): the most tokens the model may think; then its thinking is
+    # closed (the close tag is the next token) and it answers.
+    thinking_token_budget: Annotated[int, Field(ge=0, lt=2**31)] | None = None
 
 
 class CompletionRequest(_SamplingFields):

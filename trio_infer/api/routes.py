@@ -330,7 +330,10 @@ def register_routes(app: Quart) -> None:
     async def chat_completions() -> Response:
         state = server_state(app).ready()
         req = await parse_body(ChatCompletionRequest, UNSUPPORTED_CHAT)
-        return await _serve(state, plan_chat(req, state.tokenizer, state.limits, state.settings.reasoning))
+        return await _serve(state, plan_chat(
+            req, state.tokenizer, state.limits, state.settings.reasoning,
+            state.settings.thinking_token_budget,
+        ))
 
     @app.post("/v1/completions")
     async def completions() -> Response:

@@ -24,6 +24,9 @@ class SamplingParams:
     many output tokens. ``repetition_penalty`` (1 = none): the logit of every token already in
     the prompt or the output is divided by it when positive, multiplied when negative (vLLM's,
     CTRL's). ``logit_bias``: (token id, bias) pairs added to those tokens' logits (OpenAI's).
+    ``thinking_budget`` with ``think_ids`` (the open and close tags' token ids): once the sequence
+    has thought that many tokens (after an open tag, in its prompt or its output, with no close
+    tag since), the close tag is the only token it may sample.
     """
 
     max_tokens: int | None = None
@@ -42,6 +45,8 @@ class SamplingParams:
     min_tokens: int = 0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    thinking_budget: int | None = None
+    think_ids: tuple[int, ...] = ()  # (open, close) when thinking_budget is set
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 0:
@@ -62,6 +67,8 @@ class SamplingParams:
             raise ValueError("min_tokens must be >= 0")
         if not self.repetition_penalty > 0:
             raise ValueError("repetition_penalty must be > 0")
+        if self.thinking_budget is not None and (self.thinking_budget < 0 or len(self.think_ids) != 2):
+            raise ValueError("thinking_budget must be >= 0 and come with the two think_ids")
 
     @property
     def greedy(self) -> bool:
@@ -76,4 +83,4 @@ class SamplingParams:
         """Whether the sampler changes this sequence's logits before any mask (penalties,
         ``repetition_penalty``, ``logit_bias``, ``min_tokens``)."""
         return (self.penalized or self.repetition_penalty != 1.0 or bool(self.logit_bias)
-                or self.min_tokens > 0)
+                or self.min_tokens > 0 or self.thinking_budget is not None)

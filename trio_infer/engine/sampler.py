@@ -121,6 +121,29 @@ def _adjust(row: torch.Tensor, seq: Sequence, p: Any, vocab: int) -> None:
         row.index_add_(0, ids, bias)
     if p.min_tokens and seq.num_output_tokens < p.min_tokens and seq.min_tokens_block:
         row[list(seq.min_tokens_block)] = float("-inf")
+    if p.thinking_budget is not None and _thought(seq, p) >= p.thinking_budget:
+        close = p.think_ids[1]
+        keep = row[close].item()
+        row.fill_(float("-inf"))
+        row[close] = keep if keep != float("-inf") else 0.0
+
+
+def _thought(seq: Sequence, p: Any) -> int:
+    """Tokens ``seq`` has thought since its last open tag, or -1 when it is not thinking (reads
+    only the tokens added since the last call: the prompt once, then one token a step)."""
+    open_id, close_id = p.think_ids
+    count = seq.think_count
+    ids = seq.token_ids
+    for k in range(seq.think_read, len(ids)):
+        t = ids[k]
+        if t == open_id:
+            count = 0
+        elif t == close_id:
+            count = None
+        elif count is not None and k >= seq.num_prompt_tokens:
+            count += 1
+    seq.think_read, seq.think_count = len(ids), count
+    return -1 if count is None else count
 
 
 def _sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

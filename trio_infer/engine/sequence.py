@@ -55,6 +55,10 @@ class Sequence:
     # The token ids ``params.min_tokens`` forbids until the sequence has that many output tokens
     # (its EOS ids unless ignore_eos, and its stop_token_ids); set by Engine.add_request.
     min_tokens_block: tuple[int, ...] = ()
+    # params.thinking_budget: how far token_ids were read for think tags, and the tokens thought
+    # since the last open tag (None: not thinking). Kept in the sampler (engine/sampler.py).
+    think_read: int = 0
+    think_count: int | None = None
 
     @property
     def num_output_tokens(self) -> int:
