@@ -506,3 +506,21 @@ async def test_thinking_token_budget_closes_the_thinking(thinking_tokenizer) -> 
 async def test_thinking_token_budget_needs_a_thinking_model(client) -> None:
     r = await client.post("/v1/chat/completions", json=chat_body(max_tokens=2, thinking_token_budget=5))
     assert r.status_code == 400 and (await r.get_json())["error"]["param"] == "thinking_token_budget"
+
+
+async def test_tokenize_takes_the_chat_template_fields(thinking_tokenizer) -> None:
+    app = make_app(thinking_tokenizer)
+    async with running(app) as c:
+        for kwargs in ({"enable_thinking": False}, {"enable_thinking": True}):
+            r = await c.post("/tokenize", json={"model": "fake", "messages": CONVERSATION,
+                                                "chat_template_kwargs": kwargs})
+            assert (await r.get_json())["tokens"] == hf_ids(thinking_tokenizer, CONVERSATION,
+                                                            add_generation_prompt=True, **kwargs)
+        # An assistant message sent back with its reasoning_content is accepted.
+        messages = [*CONVERSATION[:2], {"role": "assistant", "content": "Down the hill.",
+                                        "reasoning_content": "They ask."}, CONVERSATION[3]]
+        r = await c.post("/v1/chat/completions", json={"model": "fake", "messages": messages, "max_tokens": 1})
+        assert r.status_code == 200
+        r = await c.post("/v1/chat/completions", json={"model": "fake", "messages": messages, "max_tokens": 1,
+                                                       "chat_template_kwargs": {"sanitize_control_tokens": 1}})
+        assert r.status_code == 400

@@ -10,6 +10,7 @@ engine or awaits anything.
 
 from __future__ import annotations
 
+import inspect
 import time
 import uuid
 from dataclasses import dataclass
@@ -143,12 +144,28 @@ def render_chat(
 
 
 # Keyword arguments of apply_chat_template that chat_template_kwargs may not set: they are
-# fields of the request (or this server's business), not variables of the template.
+# fields of the request (or this server's business), not variables of the template. Its own
+# named parameters are added per tokenizer class (_reserved).
 _RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "sanitize_control_tokens",
 })
+_RESERVED_BY_CLASS: dict[type, frozenset[str]] = {}
+
+
+def _reserved(tokenizer: Any) -> frozenset[str]:
+    cls = type(tokenizer)
+    found = _RESERVED_BY_CLASS.get(cls)
+    if found is None:
+        try:
+            names = inspect.signature(tokenizer.apply_chat_template).parameters
+            named = {n for n, p in names.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        except (TypeError, ValueError):
+            named = set()
+        found = _RESERVED_BY_CLASS[cls] = _RESERVED_TEMPLATE_KWARGS | named
+    return found
 
 
 def render_chat_text(
@@ -173,7 +190,7 @@ def render_chat_text(
     turns = conversation(messages, style, tools)
     extra: dict[str, Any] = {}
     for key in template_kwargs or {}:
-        if key in _RESERVED_TEMPLATE_KWARGS:
+        if key in _reserved(tokenizer):
             raise APIError(400, f"'chat_template_kwargs' may not set '{key}'.",
                            param=f"chat_template_kwargs.{key}")
     extra.update(template_kwargs or {})

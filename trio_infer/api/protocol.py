@@ -129,6 +129,9 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: None = None  # what the SDK echoes back of an assistant message; asks for nothing
+    # A reasoning model's thinking, as this server (and vLLM) answered it: clients send the
+    # message back as they got it. Not given to the template (Qwen3's drops earlier thinking).
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -270,6 +273,9 @@ class TokenizeRequest(_Strict):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
+    # As in chat requests (vLLM's /tokenize takes them too).
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool | None = False
 
 
 class DetokenizeRequest(_Strict):

@@ -349,7 +349,9 @@ def register_routes(app: Quart) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "Send exactly one of 'prompt' and 'messages'.", param="prompt")
         if req.messages is not None:
-            ids = render_chat(state.tokenizer, req.messages, bool(req.add_generation_prompt))
+            ids = render_chat(state.tokenizer, req.messages, bool(req.add_generation_prompt),
+                              template_kwargs=req.chat_template_kwargs,
+                              continue_final_message=bool(req.continue_final_message))
         else:
             add = True if req.add_special_tokens is None else req.add_special_tokens
             ids = list(state.tokenizer.encode(req.prompt, add_special_tokens=add))
