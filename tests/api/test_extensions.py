@@ -253,7 +253,8 @@ async def test_unknown_fields_warned_once_and_ignored(tokenizer, caplog) -> None
         with caplog.at_level(logging.WARNING, logger="trio_infer.api.protocol"):
             for path, body in [("/v1/chat/completions", chat_body(max_tokens=1, frobnicate_warn=1)),
                                ("/v1/completions", completion(PROMPT, max_tokens=1, frobnicate_warn={"a": 1})),
-                               ("/v1/chat/completions", chat_body(max_tokens=1, frobnicate_warn=2))]:
+                               ("/v1/chat/completions", chat_body(max_tokens=1, frobnicate_warn=2)),
+                               ("/tokenize", {"model": "fake", "prompt": "a", "frobnicate_warn": 3})]:
                 r = await c.post(path, json=body)
                 assert r.status_code == 200, await r.get_json()
         # OpenAI fields this server does not implement stay refused: they would change the answer.

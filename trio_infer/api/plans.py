@@ -349,10 +349,11 @@ def _output_grammar(req: ChatCompletionRequest | CompletionRequest) -> str | Non
 
 def _text_options(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
     # As vLLM: continuous_usage_stats adds usage to every chunk of a stream that includes usage.
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    options = req.stream_options
+    include_usage = bool(options is not None and options.include_usage)
     return dict(
         include_usage=include_usage,
-        continuous_usage=include_usage and bool(req.stream_options.continuous_usage_stats),
+        continuous_usage=include_usage and bool(options is not None and options.continuous_usage_stats),
         skip_special_tokens=req.skip_special_tokens is not False,
         include_stop_str=bool(req.include_stop_str_in_output),
     )

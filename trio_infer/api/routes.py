@@ -240,8 +240,7 @@ async def parse_body(model: type[BaseModel], unsupported: dict[str, tuple] | Non
                 + (f", in '{where}'." if where else "."),
                 param=where or None,
             )
-    if unsupported is not None:
-        data = check_fields(data, model, unsupported, server_state(current_app).settings.unknown_fields)
+    data = check_fields(data, model, unsupported or {}, server_state(current_app).settings.unknown_fields)
     return model.model_validate(data)
 
 

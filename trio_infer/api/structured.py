@@ -1,6 +1,7 @@
 """Structured output: ``response_format``, vLLM's ``guided_*`` / ``structured_outputs`` (a JSON
-schema, a regular expression, a choice of strings, a Lark grammar) (and the tool-call forms of ``api/tools.py``) as
-llguidance grammars, validated here, once, before anything runs.
+schema, a regular expression, a choice of strings, a Lark grammar) and the tool-call forms of
+``api/tools.py``, as llguidance grammars, validated here, once, before anything runs. For a
+reasoning model, :func:`after_thinking` lets the thinking through unconstrained.
 
 What goes to the engine is the grammar's *source* (llguidance's JSON text, in
 ``SamplingParams.grammar``): the worker compiles it against its tokenizer, with a cache keyed by
