@@ -103,8 +103,13 @@ def template_thinks(tokenizer: Any) -> bool:
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or THINK_CLOSE not in template:
         return False
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    return THINK_OPEN in vocab and THINK_CLOSE in vocab
+    # One token each (a lookup: get_vocab() would build the whole vocabulary per request).
+    unknown = (None, getattr(tokenizer, "unk_token_id", None))
+    try:
+        ids = tokenizer.convert_tokens_to_ids([THINK_OPEN, THINK_CLOSE])
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return False
+    return all(i not in unknown for i in ids)
 
 
 def reasoning_plan(prompt_text: str, tokenizer: Any, mode: str) -> ReasoningPlan | None:
