@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,34 +33,19 @@ from trio_infer.runtime.text_stream import ChoiceDelta
 
 from .helpers import all_zero, chat_body, expected, make_app, parse_sse, post_stream, running
 
-# A Qwen3-style chat template (the parts that matter here: earlier turns' thinking dropped,
-# ``enable_thinking`` false writes an empty thinking block after the generation prompt).
-QWEN3_STYLE_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if message.role == 'assistant' %}"
-    "{%- set content = message.content %}"
-    "{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
-    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}"
-    "{%- endif %}"
-)
+# Qwen3's own chat template (Qwen/Qwen3-0.6B, Apache-2.0), as its tokenizer_config ships it: earlier
+# turns' thinking dropped, ``enable_thinking`` false writes an empty thinking block after the
+# generation prompt, tools as <tool_call> blocks.
+QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
 
 
 @pytest.fixture(scope="module")
 def thinking_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The synthetic tokenizer with Qwen3's think tags as tokens (not special: Qwen3's are not,
-    so they stay in decoded text) and a Qwen3-style template."""
+    """The synthetic tokenizer (ChatML, as Qwen's) with Qwen3's think tags as tokens (not special:
+    Qwen3's are not, so they stay in decoded text) and Qwen3's chat template."""
     tok = build_tokenizer(tmp_path_factory.mktemp("thinking-tokenizer"))
     tok.add_tokens(["<think>", "</think>"])
-    tok.chat_template = QWEN3_STYLE_TEMPLATE
+    tok.chat_template = QWEN3_TEMPLATE
     return tok
 
 
