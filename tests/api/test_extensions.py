@@ -508,6 +508,11 @@ async def test_tokenize_takes_the_chat_template_fields(thinking_tokenizer) -> No
                                         "reasoning_content": "They ask."}, CONVERSATION[3]]
         r = await c.post("/v1/chat/completions", json={"model": "fake", "messages": messages, "max_tokens": 1})
         assert r.status_code == 200
+        # ...and given to the template, which shows it for a turn after the last user message.
+        tail = [*messages[:3]]
+        r = await c.post("/tokenize", json={"model": "fake", "messages": tail, "add_generation_prompt": False})
+        assert (await r.get_json())["tokens"] == hf_ids(thinking_tokenizer, tail)
+        assert "<think>\nThey ask.\n</think>" in thinking_tokenizer.decode((await r.get_json())["tokens"])
         r = await c.post("/v1/chat/completions", json={"model": "fake", "messages": messages, "max_tokens": 1,
                                                        "chat_template_kwargs": {"sanitize_control_tokens": 1}})
         assert r.status_code == 400

@@ -130,7 +130,8 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None
     refusal: None = None  # what the SDK echoes back of an assistant message; asks for nothing
     # A reasoning model's thinking, as this server (and vLLM) answered it: clients send the
-    # message back as they got it. Not given to the template (Qwen3's drops earlier thinking).
+    # message back as they got it. Given to templates that know tools (Qwen3's shows the thinking
+    # of the assistant turns after the last user message, drops the others).
     reasoning_content: str | None = None
 
     def text(self) -> str:

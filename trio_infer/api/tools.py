@@ -192,6 +192,8 @@ def conversation(messages: Sequence[ChatMessage], style: str, plan: ToolPlan | N
                      "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
                     for c in m.tool_calls
                 ]
+            if m.reasoning_content is not None:  # a reasoning model's template may show it
+                entry["reasoning_content"] = m.reasoning_content
             if m.tool_call_id is not None:
                 entry["tool_call_id"] = m.tool_call_id
                 if m.tool_call_id in names:
