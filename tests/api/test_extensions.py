@@ -26,7 +26,7 @@ from trio_infer.api.protocol import ChatCompletionRequest
 from trio_infer.engine.engine import Engine, EngineConfig
 from trio_infer.engine.grammar import Grammars
 from trio_infer.engine.params import SamplingParams
-from trio_infer.engine.sampler import _adjust
+from trio_infer.engine.sampler import _adjust, _restrict
 from trio_infer.models.fake import FakeModel
 from trio_infer.models.synthetic import IM_END, IM_START_ID, build_tokenizer
 from trio_infer.runtime.text_stream import ChoiceDelta
@@ -142,13 +142,22 @@ def test_repetition_penalty_and_min_tokens_in_the_sampler() -> None:
         min_tokens_block = (0,)
 
     row = torch.tensor([3.0, 2.0, -2.0, 1.0, 0.0, 4.0])
-    _adjust(row, Seq(), SamplingParams(repetition_penalty=2.0, min_tokens=2), 6)  # type: ignore[arg-type]
+    p = SamplingParams(repetition_penalty=2.0, min_tokens=2)
+    _adjust(row, Seq(), p, 6)  # type: ignore[arg-type]
+    _restrict(row, Seq(), p)  # type: ignore[arg-type]
     # Seen tokens (prompt and output: 1, 2, 5): positive logits halved, negative ones doubled;
     # token 0 (the EOS here) forbidden while fewer than min_tokens were generated.
     assert row.tolist() == [float("-inf"), 1.0, -4.0, 1.0, 0.0, 2.0]
     row = torch.tensor([3.0, 2.0, -2.0, 1.0, 0.0, 4.0])
-    _adjust(row, Seq(), SamplingParams(min_tokens=1, logit_bias=((3, 1.5),)), 6)  # type: ignore[arg-type]
+    p = SamplingParams(min_tokens=1, logit_bias=((3, 1.5),))
+    _adjust(row, Seq(), p, 6)  # type: ignore[arg-type]
+    _restrict(row, Seq(), p)  # type: ignore[arg-type]
     assert row.tolist() == [3.0, 2.0, -2.0, 2.5, 0.0, 4.0]
+    # A grammar that allows only the EOS wins over min_tokens (a row with no token left would
+    # sample garbage).
+    row = torch.tensor([0.5] + [float("-inf")] * 5)
+    _restrict(row, Seq(), SamplingParams(min_tokens=3))  # type: ignore[arg-type]
+    assert row[0] == 0.5
 
 
 async def test_repetition_penalty_is_checked(client) -> None:

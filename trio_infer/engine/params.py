@@ -80,7 +80,6 @@ class SamplingParams:
 
     @property
     def adjusted(self) -> bool:
-        """Whether the sampler changes this sequence's logits before any mask (penalties,
-        ``repetition_penalty``, ``logit_bias``, ``min_tokens``)."""
-        return (self.penalized or self.repetition_penalty != 1.0 or bool(self.logit_bias)
-                or self.min_tokens > 0 or self.thinking_budget is not None)
+        """Whether the sampler changes this sequence's logits before the grammar's mask
+        (penalties, ``repetition_penalty``, ``logit_bias``)."""
+        return self.penalized or self.repetition_penalty != 1.0 or bool(self.logit_bias)

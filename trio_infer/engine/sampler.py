@@ -80,6 +80,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None 
     if masks is not None:
         masks.apply(logits)
 
+    for i, p in enumerate(params):
+        if p.min_tokens or p.thinking_budget is not None:
+            _restrict(logits[i], seqs[i], p)
+
     lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
 
@@ -103,8 +107,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None 
 
 
 def _adjust(row: torch.Tensor, seq: Sequence, p: Any, vocab: int) -> None:
-    """One row's logits changed in place by its sequence's penalties, ``logit_bias`` and
-    ``min_tokens`` (in that order, as vLLM applies them)."""
+    """One row's logits changed in place by its sequence's penalties and ``logit_bias`` (in
+    that order, as vLLM applies them), before the grammar's mask."""
     device = row.device
     if p.repetition_penalty != 1.0:
         seen = torch.zeros(vocab, dtype=torch.bool, device=device)
@@ -119,13 +123,24 @@ def _adjust(row: torch.Tensor, seq: Sequence, p: Any, vocab: int) -> None:
         ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.int64, device=device)
         bias = torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=row.dtype, device=device)
         row.index_add_(0, ids, bias)
+
+
+def _restrict(row: torch.Tensor, seq: Sequence, p: Any) -> None:
+    """One row's tokens restricted in place, after the grammar's mask: no EOS or stop token
+    before ``min_tokens``, only the close tag past the thinking budget. A restriction that would
+    leave no token at all (the grammar allows nothing else) is not applied: the grammar wins."""
     if p.min_tokens and seq.num_output_tokens < p.min_tokens and seq.min_tokens_block:
-        row[list(seq.min_tokens_block)] = float("-inf")
+        block = list(seq.min_tokens_block)
+        kept = row[block].clone()
+        row[block] = float("-inf")
+        if not torch.isfinite(row).any():
+            row[block] = kept
     if p.thinking_budget is not None and _thought(seq, p) >= p.thinking_budget:
         close = p.think_ids[1]
         keep = row[close].item()
-        row.fill_(float("-inf"))
-        row[close] = keep if keep != float("-inf") else 0.0
+        if keep != float("-inf"):
+            row.fill_(float("-inf"))
+            row[close] = keep
 
 
 def _thought(seq: Sequence, p: Any) -> int:
