@@ -1107,6 +1107,30 @@ static inline const uint8_t *lin_row(const tri_lin *L, int n, int *fmt, size_t *
     return L->w[p] + (size_t)n * L->row_bytes[p];
 }
 
+/* This thread's rows of W, [*n0, *n1): contiguous, with as near an equal share of W's bytes as
+ * whole rows allow. Parts in different formats differ in bytes a row (Q4_K_M's v in Q6_K, q
+ * and k in Q4_K), and an equal share of rows would leave one thread the heavy part. */
+static void lin_rows_of_thread(const tri_lin *L, int *n0, int *n1) {
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    size_t total = 0;
+    for (int p = 0; p < L->nparts; p++) total += (size_t)L->rows[p] * L->row_bytes[p];
+    int bounds[2];
+    for (int e = 0; e < 2; e++) {  /* the first row at or past byte total * (t + e) / T */
+        const size_t target = total / T * (t + e) + total % T * (t + e) / T;
+        size_t before = 0;
+        int n = 0, p = 0;
+        while (p < L->nparts && before + (size_t)L->rows[p] * L->row_bytes[p] <= target) {
+            before += (size_t)L->rows[p] * L->row_bytes[p];
+            n += L->rows[p++];
+        }
+        if (p < L->nparts)
+            n += (int)((target - before + L->row_bytes[p] - 1) / L->row_bytes[p]);
+        bounds[e] = t + e == T ? L->N : n;
+    }
+    *n0 = bounds[0];
+    *n1 = bounds[1];
+}
+
 /* What a few-rows product needs of x before the threads start: the float sums of x's blocks,
  * and with int16 activations x rounded to int16 (qx) with a scale per block (dx). */
 static void linear_prep(int fmt, const float *x, int M, int K, float *xsum, uint8_t *qx, float *dx) {
@@ -1122,8 +1146,9 @@ static void linear_prep(int fmt, const float *x, int M, int K, float *xsum, uint
 static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *y,
                                 const float *xsum, const uint8_t *qx, const float *dx) {
     const int K = L->K, N = L->N, nb = K / 32;
-    #pragma omp for schedule(static)
-    for (int n = 0; n < N; n++) {
+    int n0, n1;
+    lin_rows_of_thread(L, &n0, &n1);
+    for (int n = n0; n < n1; n++) {
         int fmt;
         size_t rb;
         const uint8_t *row = lin_row(L, n, &fmt, &rb);
@@ -1138,6 +1163,7 @@ static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *
             y[(size_t)m * N + n] = dot + (L->bias ? L->bias[n] : 0.0f);
         }
     }
+    #pragma omp barrier
 }
 
 /* The same product for more rows: tiles of NT weight rows dequantized into L1 (``bufs``: NT * K
@@ -1191,10 +1217,11 @@ static void linear_q8_omp(const tri_lin *L, const float *x, int M, float *y, con
     #pragma omp for schedule(static)
     for (int m = 0; m < M; m++)
         quantize_row_q8(x + (size_t)m * K, K, qx + m * xb, s->dx + (size_t)m * nb, s->xsum + m * xsb);
+    int n0, n1;
+    lin_rows_of_thread(L, &n0, &n1);
     for (int m0 = 0; m0 < M; m0 += MB) {
         const int m1 = m0 + MB < M ? m0 + MB : M;
-        #pragma omp for schedule(static) nowait
-        for (int n = 0; n < N; n++) {
+        for (int n = n0; n < n1; n++) {
             int fmt;
             size_t rb;
             const uint8_t *row = lin_row(L, n, &fmt, &rb);
