@@ -86,7 +86,7 @@ def anthropic_error_body(status: int, message: str, param: str | None = None,
         kind = "invalid_request_error"
     else:  # 503 for a full queue is Anthropic's overloaded_error (their 529)
         kind = "overloaded_error" if code == "overloaded" else "api_error"
-    if param and f"'{param}'" not in message and not message.startswith(param + ":"):
+    if param and param not in message:
         message = f"{param}: {message}"
     return {"type": "error", "error": {"type": kind, "message": message}}
 

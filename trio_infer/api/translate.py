@@ -79,7 +79,11 @@ def sampling_fields(req: Any, names: Sequence[str]) -> dict[str, Any]:
 
 
 def validated(model: Any, raw: Any, where: str) -> Any:
-    """``raw`` as ``model``, or a 400 naming the field at fault below ``where``."""
+    """``raw`` as ``model``, or a 400 naming the field at fault below ``where``. A field the model
+    does not know is dropped when it is null (it asks for nothing: SDKs echo their own objects
+    back with such fields), and refused otherwise."""
+    if isinstance(raw, dict):
+        raw = {k: v for k, v in raw.items() if v is not None or k in model.model_fields}
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
