@@ -205,3 +205,49 @@ async def test_x_api_key_and_bearer_are_both_accepted(tokenizer: Any) -> None:
         assert r.status_code == 401 and (await r.get_json())["error"]["code"] == "invalid_api_key"
         r = await c.post("/v1/chat/completions", json=chat_body(max_tokens=2), headers={"x-api-key": "sekret"})
         assert r.status_code == 200
+
+
+# -- the serializer alone, on events no model served here emits yet (thinking) -------------------
+
+
+def test_thinking_text_and_tool_use_stream_as_the_whole_message_says() -> None:
+    from types import SimpleNamespace
+
+    from trio_infer.api.errors import APIError
+    from trio_infer.api.events import Content, Finish, Reasoning, ToolCallArguments, ToolCallStart
+    from trio_infer.api.messages import MessagesSerializer
+    from trio_infer.api.plans import Plan
+
+    plan = Plan(kind="chat", id="msg_x", created=1, model="m", prompts=[[1, 2, 3]], params=[], stop=[],
+                logprobs=None, stream=True, include_usage=False)
+    events = [Reasoning(0, "Hm"), Reasoning(0, "m."), Content(0, "Sure."),
+              ToolCallStart(0, 0, "call_1", "f"), ToolCallArguments(0, 0, '{"a":'), ToolCallArguments(0, 0, "1}"),
+              Finish(0, "tool_calls")]
+    choices = [SimpleNamespace(num_tokens=9, stops=SimpleNamespace(matched=None))]
+    writer = MessagesSerializer(plan, None)  # type: ignore[arg-type]
+    raw = writer.first() + "".join(writer.write([e]) or "" for e in events) + writer.end(choices)  # type: ignore[arg-type]
+    streamed = []
+    for block in raw.strip().split("\n\n"):
+        head, data = block.split("\n", 1)
+        event = json.loads(data.removeprefix("data: "))
+        assert head == "event: " + event["type"]
+        streamed.append(event)
+    assert [(e["type"], e.get("delta", {}).get("type") or e.get("content_block", {}).get("type"))
+            for e in streamed] == [
+        ("message_start", None), ("ping", None),
+        ("content_block_start", "thinking"), ("content_block_delta", "thinking_delta"),
+        ("content_block_delta", "thinking_delta"), ("content_block_stop", None),
+        ("content_block_start", "text"), ("content_block_delta", "text_delta"), ("content_block_stop", None),
+        ("content_block_start", "tool_use"), ("content_block_delta", "input_json_delta"),
+        ("content_block_delta", "input_json_delta"), ("content_block_stop", None),
+        ("message_delta", None), ("message_stop", None),
+    ]
+    assert [e["index"] for e in streamed if e["type"] == "content_block_stop"] == [0, 1, 2]
+    assert streamed[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    whole = MessagesSerializer(plan, None).response(choices, [events])  # type: ignore[arg-type]
+    assert whole["content"] == [
+        {"type": "thinking", "thinking": "Hmm.", "signature": ""}, {"type": "text", "text": "Sure."},
+        {"type": "tool_use", "id": "call_1", "name": "f", "input": {"a": 1}}]
+    assert whole["stop_reason"] == "tool_use" and whole["usage"] == {"input_tokens": 3, "output_tokens": 9}
+    failed = MessagesSerializer(plan, None).failed(APIError(503, "busy", "server_error", code="overloaded"))  # type: ignore[arg-type]
+    assert failed == 'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"busy"}}\n\n'

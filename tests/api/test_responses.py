@@ -204,3 +204,72 @@ def test_an_error_mid_stream_is_response_failed() -> None:
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"] == {"code": "engine_error", "message": "the engine failed"}
     assert blocks[-1].startswith("event: response.failed\n")
+
+
+# -- the serializer alone, on events no model served here emits yet (reasoning) ------------------
+
+
+def _fold(raw: str) -> list[dict[str, Any]]:
+    out = []
+    for block in raw.strip().split("\n\n"):
+        head, data = block.split("\n", 1)
+        event = json.loads(data.removeprefix("data: "))
+        assert head == "event: " + event["type"]
+        out.append(event)
+    return out
+
+
+def test_reasoning_function_calls_and_text_stream_as_the_whole_response_says() -> None:
+    from types import SimpleNamespace
+
+    from trio_infer.api.events import Content, Finish, Reasoning, ToolCallArguments, ToolCallStart
+
+    plan = Plan(kind="chat", id="resp_x", created=1, model="m", prompts=[[1, 2, 3]], params=[], stop=[],
+                logprobs=None, stream=True, include_usage=False)
+    events = [Reasoning(0, "Let me "), Reasoning(0, "think."), Content(0, "Sure."),
+              ToolCallStart(0, 0, "call_1", "f"), ToolCallArguments(0, 0, '{"a":'), ToolCallArguments(0, 0, "1}"),
+              Finish(0, "tool_calls")]
+    choices = [SimpleNamespace(num_tokens=9)]
+    writer = ResponsesSerializer(plan, None, {})  # type: ignore[arg-type]
+    raw = writer.first() + "".join(writer.write([e]) or "" for e in events) + writer.end(choices)  # type: ignore[arg-type]
+    streamed = _fold(raw)
+    assert [e["sequence_number"] for e in streamed] == list(range(len(streamed)))
+    types = [e["type"] for e in streamed]
+    assert types == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed",
+    ]
+    whole = ResponsesSerializer(plan, None, {}).response(choices, [events])  # type: ignore[arg-type]
+    final = streamed[-1]["response"]
+    strip = lambda r: [{k: v for k, v in o.items() if k != "id"} for o in r["output"]]  # noqa: E731
+    assert strip(final) == strip(whole)
+    assert [o["type"] for o in whole["output"]] == ["reasoning", "message", "function_call"]
+    assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": "Let me think."}]
+    assert whole["output"][2]["arguments"] == '{"a":1}' and whole["output"][2]["call_id"] == "call_1"
+    assert whole["status"] == "completed" and whole["usage"]["output_tokens"] == 9
+
+
+async def test_echoed_reasoning_items_and_store_false_are_accepted(tokenizer: Any) -> None:
+    from .helpers import make_app, running
+
+    async with running(make_app(tokenizer)) as c:
+        body = {"model": "fake", "store": False, "max_output_tokens": 2, "instructions": "Be brief.", "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "x"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "yo", "annotations": []}]},
+            {"role": "user", "content": "again"}]}
+        r = await c.post("/v1/responses", json=body)
+        assert r.status_code == 200, await r.get_data()
+        said = await r.get_json()
+        assert said["store"] is False and said["instructions"] == "Be brief."
+        tokens = await c.post("/tokenize", json={"messages": [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"}]})
+        assert said["usage"]["input_tokens"] == (await tokens.get_json())["count"]
