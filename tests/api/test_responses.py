@@ -146,7 +146,7 @@ def test_function_tool_round_trip(client: openai.OpenAI, server: Server, stream:
     # the result goes back as a function_call_output item, with the call echoed from the output
     second = client.responses.create(
         model=server.model, tools=[WEATHER], max_output_tokens=6, temperature=0,
-        input=[*kw["input"], *[item.model_dump(exclude_none=True) for item in whole.output],
+        input=[*kw["input"], *whole.output,
                {"type": "function_call_output", "call_id": call.call_id, "output": "12 degrees, rain"}],
     )
     assert second.status in ("completed", "incomplete")
