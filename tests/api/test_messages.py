@@ -251,3 +251,22 @@ def test_thinking_text_and_tool_use_stream_as_the_whole_message_says() -> None:
     assert whole["stop_reason"] == "tool_use" and whole["usage"] == {"input_tokens": 3, "output_tokens": 9}
     failed = MessagesSerializer(plan, None).failed(APIError(503, "busy", "server_error", code="overloaded"))  # type: ignore[arg-type]
     assert failed == 'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"busy"}}\n\n'
+
+
+async def test_disconnect_mid_stream_frees_everything(tokenizer: Any, autojump_clock: Any) -> None:
+    import trio
+
+    from .helpers import StepGate, all_zero, counts, open_request, read_until
+
+    app = make_app(tokenizer)
+    body = {"model": "fake", "max_tokens": 2000, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    async with running(app) as c:
+        gate = StepGate(app)
+        gate.allow(3)
+        with trio.fail_after(60):
+            async with open_request(c, "/v1/messages", body) as conn:
+                await read_until(conn, lambda t: "content_block_delta" in t)
+                await trio.testing.wait_all_tasks_blocked()
+                assert counts(app)["sessions"] == 1
+            await trio.testing.wait_all_tasks_blocked()
+            assert all_zero(app), counts(app)

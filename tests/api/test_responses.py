@@ -273,3 +273,22 @@ async def test_echoed_reasoning_items_and_store_false_are_accepted(tokenizer: An
             {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"}]})
         assert said["usage"]["input_tokens"] == (await tokens.get_json())["count"]
+
+
+async def test_disconnect_mid_stream_frees_everything(tokenizer: Any, autojump_clock: Any) -> None:
+    import trio
+
+    from .helpers import StepGate, all_zero, counts, make_app, open_request, read_until, running
+
+    app = make_app(tokenizer)
+    body = {"model": "fake", "max_output_tokens": 2000, "stream": True, "input": "hi"}
+    async with running(app) as c:
+        gate = StepGate(app)
+        gate.allow(3)
+        with trio.fail_after(60):
+            async with open_request(c, "/v1/responses", body) as conn:
+                await read_until(conn, lambda t: "response.output_text.delta" in t)
+                await trio.testing.wait_all_tasks_blocked()
+                assert counts(app)["sessions"] == 1
+            await trio.testing.wait_all_tasks_blocked()
+            assert all_zero(app), counts(app)

@@ -93,7 +93,7 @@ def anthropic_error_body(status: int, message: str, param: str | None = None,
 
 def _envelope(status: int, body: dict[str, Any]) -> dict[str, Any]:
     """``body`` (OpenAI's envelope) as the API of the current request has its errors."""
-    if has_request_context() and request.path.startswith(ANTHROPIC_PATH):
+    if has_request_context() and (request.path == ANTHROPIC_PATH or request.path.startswith(ANTHROPIC_PATH + "/")):
         e = body["error"]
         return anthropic_error_body(status, e["message"], e.get("param"), e.get("code"))
     return body
