@@ -142,6 +142,9 @@ def test_function_tool_round_trip(client: openai.OpenAI, server: Server, stream:
         assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") \
             == call.arguments
         assert types[-1] == "response.completed" and _said(_final(events)) == _said(whole)
+        with client.responses.stream(**kw) as helper:  # the SDK's helper accumulates the call too
+            final = helper.get_final_response()
+        assert _said(final) == _said(whole)
         return
     # the result goes back as a function_call_output item, with the call echoed from the output
     second = client.responses.create(
