@@ -452,6 +452,21 @@ INLINE __m256 load_halves(const uint8_t *p) {
 }
 
 
+/* Weight bytes PREFETCH_AHEAD past where a group of 8 blocks of a row reads, asked of the
+ * cache as the group starts: the row (``rb`` bytes, ``nb`` blocks) and the rows after it stream
+ * in ahead of the kernels at the pace they read them. Asking for a whole row ahead at once, as
+ * before, left long rows (K = 8192: 4.6-6.7 KB) at half the bandwidth: measured at 1 thread
+ * over 130 MB of Q4_K and Q6_K, 6.5 -> 15 GB/s and 5.4 -> 11 GB/s. A prefetch cannot fault, so
+ * reading past the last row is harmless. */
+#define PREFETCH_AHEAD 4096
+
+INLINE void prefetch_group(const uint8_t *row, size_t rb, int b, int nb) {
+    const char *p = (const char *)row + PREFETCH_AHEAD + rb * b / nb;
+    _mm_prefetch(p, _MM_HINT_T0);
+    _mm_prefetch(p + 64, _MM_HINT_T0);
+    _mm_prefetch(p + 128, _MM_HINT_T0);
+}
+
 /* dot(codes of block b, x_b) as 8 partial sums (fp32 x); Q6_K's two halves apart in *hi, its
  * codes not centred (see group_f32). */
 INLINE __m256 block_dot_ps(int fmt, const uint8_t *row, int nb, int b, const float *xb, __m256 *hi) {
@@ -528,10 +543,13 @@ INLINE float dot_row_fmt(int fmt, const uint8_t *row, const float *x, const floa
     }
     const int nb = K / 32;
     const uint8_t *meta = row_meta(fmt, row, nb);
+    const size_t rb = tri_row_bytes(fmt, K);
     __m256 acc = _mm256_setzero_ps();
     int b = 0;
-    for (; b + 8 <= nb; b += 8)
+    for (; b + 8 <= nb; b += 8) {
+        prefetch_group(row, rb, b, nb);
         acc = group_f32(fmt, row, meta, nb, b, x, xsum, acc);
+    }
     float tail = 0.0f;  /* the last nb % 8 blocks (none for the K-quants), one at a time */
     for (; b < nb; b++) {
         float s0, s1, off;
@@ -734,10 +752,13 @@ INLINE __m256 group_q16(int fmt, const uint8_t *row, const uint8_t *ds, int nb, 
 INLINE float dot_row_q16_fmt(int fmt, const uint8_t *row, const uint8_t *qx, const float *dx,
                              const float *xs, int nb) {
     const uint8_t *ds = row_meta(fmt, row, nb);
+    const size_t rb = tri_row_bytes(fmt, 32 * nb);
     __m256 acc = _mm256_setzero_ps();
     int b = 0;
-    for (; b + 8 <= nb; b += 8)
+    for (; b + 8 <= nb; b += 8) {
+        prefetch_group(row, rb, b, nb);
         acc = group_q16(fmt, row, ds, nb, b, qx, dx, xs, acc);
+    }
     float tail = 0.0f;  /* the last nb % 8 blocks: one at a time, or a pair at a time */
     for (; b < nb; b += fmt == FMT_Q8_0 ? 1 : 2) {
         int32_t sums[8];
@@ -787,14 +808,15 @@ static float dot_row_q16(int fmt, const uint8_t *row, const uint8_t *qx, const f
  * unpacked into registers once and multiplied with each row's x, so from 2 rows on it is a GEMM
  * whose weights are decoded once per R8 rows, not once per row.
  *
- * x is prepared in two layouts: per pair of blocks (b, b + 1) 64 bytes, x_b[0:16], x_b+1[0:16],
- * x_b[16:32], x_b+1[16:32], matching the nibbles of the two blocks' 32 code bytes (byte j: weight
- * j low, j + 16 high); and in natural order (Q8_0's codes). */
+ * x is prepared per pair of blocks (b, b + 1), 64 bytes: x_b[0:16], x_b+1[0:16], x_b[16:32],
+ * x_b+1[16:32], matching the nibbles of the two blocks' 32 code bytes (byte j: weight j low, j + 16
+ * high); Q8_0's codes are brought to the same order by two lane permutes a pair. (One layout: at
+ * K = 8192 a second one would push x out of L1 while the weights stream through it.) */
 
 #define R8 8
 
-/* Bytes of one prepared row: the pair layout (whole pairs), then the natural one. */
-static size_t q8_row_bytes(int K) { return (size_t)(K / 32 + 1) / 2 * 64 + (size_t)K; }
+/* Bytes of one prepared row: whole pairs of blocks (an odd last block's partner is 0). */
+static size_t q8_row_bytes(int K) { return (size_t)(K / 32 + 1) / 2 * 64; }
 
 INLINE __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -824,14 +846,14 @@ INLINE void bit4_natural(uint32_t w, uint32_t *lo, uint32_t *hi) {
     *hi = _pext_u32(w, 0x44444444u) | _pext_u32(w, 0x88888888u) << 8;
 }
 
-/* x's row rounded to int8 (both layouts, ``out``), its block scales (dx) and the sums of the
+/* x's row rounded to int8 (``out``, the pair layout), its block scales (dx) and the sums of the
  * rounded values (``sums``, laid out as block_sums'). The offsets are applied to the rounded x's
  * sums, not the exact ones: then a block's error is sum(w * e) over the rounding errors e of its
  * x, which cancels as the weights are centred, where sum((w - offset) * e) would not (measured
  * on SmolLM2: the exact sums made int8 activations change the top token at 3x as many positions). */
 static void quantize_row_q8(const float *x, int K, int8_t *out, float *dx, float *sums) {
     const int nb = K / 32;
-    int8_t *pairs = out, *natural = out + (size_t)(nb + 1) / 2 * 64;
+    int8_t *pairs = out, nat[32];
     if (nb % 2) memset(pairs + (size_t)(nb - 1) / 2 * 64, 0, 64);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < nb; b++) {
@@ -845,7 +867,6 @@ static void quantize_row_q8(const float *x, int K, int8_t *out, float *dx, float
         const float d = _mm_cvtss_f32(m4) / 127.0f;
         const float id = d > 0.0f ? 1.0f / d : 0.0f;
         dx[b] = d;
-        int8_t *nat = natural + 32 * (size_t)b;
         for (int j = 0; j < 4; j++) {  /* round to nearest even; |v| <= 127 */
             const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * j), _mm256_set1_ps(id)));
             const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -868,15 +889,19 @@ static void quantize_row_q8(const float *x, int K, int8_t *out, float *dx, float
 /* One group's codes, unpacked once for every row of x: 8 vectors (see group_q8). */
 typedef struct { __m256i v[8]; } codes8;
 
-/* Blocks b..b+7 of a row (b + 8 <= nb): Q8_0: |w| per block in v[j] (the signs in *signs);
- * Q6_K: 6-bit codes of pair j's first halves in v[2j], second halves in v[2j + 1]; the others:
- * pair j's low nibbles (weights 0-15 of both blocks) in v[2j], high nibbles in v[2j + 1], with
- * bit 4 for the 5-bit formats. */
+/* Blocks b..b+7 of a row (b + 8 <= nb), in x's pair order: pair j's codes of weights 0-15 of
+ * both blocks in v[2j], of weights 16-31 in v[2j + 1] (4- and 5-bit formats: the nibbles, with
+ * bit 4; Q6_K: 6-bit codes; Q8_0: |w|, the codes themselves in *signs). */
 INLINE void unpack_group(int fmt, const uint8_t *row, int nb, int b, codes8 *c, codes8 *signs) {
     if (fmt == FMT_Q8_0) {
-        for (int j = 0; j < 8; j++) {
-            signs->v[j] = _mm256_loadu_si256((const __m256i *)(row + 32 * (size_t)(b + j)));
-            c->v[j] = _mm256_abs_epi8(signs->v[j]);
+        for (int j = 0; j < 4; j++) {
+            const uint8_t *w = row + 32 * (size_t)(b + 2 * j);
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)w);
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+            signs->v[2 * j] = _mm256_permute2x128_si256(w0, w1, 0x20);
+            signs->v[2 * j + 1] = _mm256_permute2x128_si256(w0, w1, 0x31);
+            c->v[2 * j] = _mm256_abs_epi8(signs->v[2 * j]);
+            c->v[2 * j + 1] = _mm256_abs_epi8(signs->v[2 * j + 1]);
         }
         return;
     }
@@ -894,14 +919,16 @@ INLINE void unpack_group(int fmt, const uint8_t *row, int nb, int b, codes8 *c, 
             bit4_natural(w1, &l1, &h1);
             lo = _mm256_or_si256(lo, bit4_bytes(l0 | l1 << 16));
             hi = _mm256_or_si256(hi, bit4_bytes(h0 | h1 << 16));
-        } else if (fmt == FMT_Q6_K) {  /* as pair_dot_q6 */
-            const __m256i low2 = _mm256_set1_epi8(0x03);
+        } else if (fmt == FMT_Q6_K) {
+            /* 64-bit lanes: block bb's 8 high bytes twice, then bb + 1's twice (as pair_dot_q6);
+             * a byte's bits 2j, 2j + 1 go to bits 4-5 by one 64-bit shift (by 4 - 2j left for
+             * j = 0, 1; by 2j - 4 right for j = 2, 3) and a mask, which keeps only the byte's
+             * own bits */
+            const __m256i bits45 = _mm256_set1_epi8(0x30);
             const __m256i hb = _mm256_permute4x64_epi64(
                 _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(planes + 8 * (size_t)bb))), 0x50);
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16(
-                _mm256_and_si256(_mm256_srlv_epi64(hb, _mm256_setr_epi64x(0, 2, 0, 2)), low2), 4));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16(
-                _mm256_and_si256(_mm256_srlv_epi64(hb, _mm256_setr_epi64x(4, 6, 4, 6)), low2), 4));
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_sllv_epi64(hb, _mm256_setr_epi64x(4, 2, 4, 2)), bits45));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srlv_epi64(hb, _mm256_setr_epi64x(0, 2, 0, 2)), bits45));
         }
         c->v[2 * j] = lo;
         c->v[2 * j + 1] = hi;
@@ -909,17 +936,10 @@ INLINE void unpack_group(int fmt, const uint8_t *row, int nb, int b, codes8 *c, 
 }
 
 /* The group's integer sums with one row of x: lane j block b + j's sum(code * xq) (Q6_K: its
- * first half's, the second halves' in *second). xp: the row's pair layout at block b; xn: its
- * natural layout at block b. */
+ * first half's, the second halves' in *second). xp: the row's prepared x at block b. */
 INLINE __m256i group_sums_q8(int fmt, const codes8 *c, const codes8 *signs, const int8_t *xp,
-                             const int8_t *xn, __m256i *second) {
+                             __m256i *second) {
     __m256i v[8];
-    if (fmt == FMT_Q8_0) {
-        for (int j = 0; j < 8; j++)
-            v[j] = dpbusd(_mm256_setzero_si256(), c->v[j],
-                          _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xn + 32 * j)), signs->v[j]));
-        return reduce8_epi32(v);
-    }
     /* pair sums come out as [b0 b2 b4 b6 | b1 b3 b5 b7]: back to block order */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int j = 0; j < 4; j++) {
@@ -928,6 +948,9 @@ INLINE __m256i group_sums_q8(int fmt, const codes8 *c, const codes8 *signs, cons
         if (fmt == FMT_Q6_K) {
             v[j] = dpbusd(_mm256_setzero_si256(), c->v[2 * j], a);
             v[4 + j] = dpbusd(_mm256_setzero_si256(), c->v[2 * j + 1], h);
+        } else if (fmt == FMT_Q8_0) {
+            v[j] = dpbusd(dpbusd(_mm256_setzero_si256(), c->v[2 * j], _mm256_sign_epi8(a, signs->v[2 * j])),
+                          c->v[2 * j + 1], _mm256_sign_epi8(h, signs->v[2 * j + 1]));
         } else {
             v[j] = dpbusd(dpbusd(_mm256_setzero_si256(), c->v[2 * j], a), c->v[2 * j + 1], h);
         }
@@ -943,7 +966,7 @@ INLINE __m256i group_sums_q8(int fmt, const codes8 *c, const codes8 *signs, cons
  * 32-block formats have (a K-quant row is whole super-blocks of 8 blocks). */
 static int32_t block_sum_q8(int fmt, const uint8_t *row, int nb, int b, const int8_t *xq) {
     int8_t q[32];
-    const int8_t *xn = xq + (size_t)(nb + 1) / 2 * 64 + 32 * (size_t)b;
+    const int8_t *xlo = xq + (size_t)(b / 2) * 64 + (b % 2) * 16, *xhi = xlo + 32;
     if (fmt == FMT_Q8_0) {
         memcpy(q, row + 32 * (size_t)b, 32);
     } else {
@@ -955,21 +978,22 @@ static int32_t block_sum_q8(int fmt, const uint8_t *row, int nb, int b, const in
         for (int i = 0; i < 32; i++) q[i] = (int8_t)f[i];
     }
     int32_t s = 0;
-    for (int i = 0; i < 32; i++) s += (fmt == FMT_Q8_0 ? q[i] : (uint8_t)q[i]) * xn[i];
+    for (int i = 0; i < 32; i++)
+        s += (fmt == FMT_Q8_0 ? q[i] : (uint8_t)q[i]) * (i < 16 ? xlo[i] : xhi[i - 16]);
     return s;
 }
 
 /* rows of x m0..m0+R (R <= R8) times weight row ``row``: out[r] = dot. xq: prepared rows
  * (q8_row_bytes apart), dx: their block scales, xs: their rounded block sums. */
-INLINE void dot_rows_q8_fmt(int fmt, const uint8_t *row, int nb, int R, const int8_t *xq,
+INLINE void dot_rows_q8_fmt(size_t rb, int fmt, const uint8_t *row, int nb, int R, const int8_t *xq,
                             size_t xq_bytes, const float *dx, const float *xs, float *out) {
     const uint8_t *meta = row_meta(fmt, row, nb);
-    const size_t natural = (size_t)(nb + 1) / 2 * 64;
     __m256 acc[R8];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     int b = 0;
     for (; b + 8 <= nb; b += 8) {
         codes8 c, signs;
+        prefetch_group(row, rb, b, nb);
         unpack_group(fmt, row, nb, b, &c, &signs);
         if (fmt == FMT_Q6_K) {
             const uint8_t *m = meta + (size_t)(b / 8) * 18;
@@ -979,7 +1003,7 @@ INLINE void dot_rows_q8_fmt(int fmt, const uint8_t *row, int nb, int R, const in
             for (int r = 0; r < R; r++) {
                 const int8_t *x = xq + r * xq_bytes;
                 __m256i second;
-                const __m256i first = group_sums_q8(fmt, &c, &signs, x + (size_t)b * 32, NULL, &second);
+                const __m256i first = group_sums_q8(fmt, &c, &signs, x + (size_t)b * 32, &second);
                 const __m256 dxv = _mm256_loadu_ps(dx + (size_t)r * nb + b);
                 const float *halves = xs + (size_t)r * nb * XSUM_PER_BLOCK + nb + 2 * (size_t)b;
                 __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), _mm256_mul_ps(sc_lo, dxv), acc[r]);
@@ -994,8 +1018,7 @@ INLINE void dot_rows_q8_fmt(int fmt, const uint8_t *row, int nb, int R, const in
         group_affine(fmt, meta, nb, b, &scale, &off);
         for (int r = 0; r < R; r++) {
             const int8_t *x = xq + r * xq_bytes;
-            const __m256i sums = group_sums_q8(fmt, &c, &signs, x + (size_t)b * 32,
-                                               x + natural + (size_t)b * 32, NULL);
+            const __m256i sums = group_sums_q8(fmt, &c, &signs, x + (size_t)b * 32, NULL);
             const __m256 dxv = _mm256_loadu_ps(dx + (size_t)r * nb + b);
             __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, dxv), acc[r]);
             if (fmt != FMT_Q8_0)
@@ -1015,17 +1038,17 @@ INLINE void dot_rows_q8_fmt(int fmt, const uint8_t *row, int nb, int R, const in
     }
 }
 
-static void dot_rows_q8(int fmt, const uint8_t *row, int nb, int R, const int8_t *xq,
+static void dot_rows_q8(int fmt, const uint8_t *row, size_t rb, int nb, int R, const int8_t *xq,
                         size_t xq_bytes, const float *dx, const float *xs, float *out) {
     switch (fmt) {
-    case FMT_Q4_0: dot_rows_q8_fmt(FMT_Q4_0, row, nb, R, xq, xq_bytes, dx, xs, out); break;
-    case FMT_Q4_1: dot_rows_q8_fmt(FMT_Q4_1, row, nb, R, xq, xq_bytes, dx, xs, out); break;
-    case FMT_Q5_0: dot_rows_q8_fmt(FMT_Q5_0, row, nb, R, xq, xq_bytes, dx, xs, out); break;
-    case FMT_Q5_1: dot_rows_q8_fmt(FMT_Q5_1, row, nb, R, xq, xq_bytes, dx, xs, out); break;
-    case FMT_Q8_0: dot_rows_q8_fmt(FMT_Q8_0, row, nb, R, xq, xq_bytes, dx, xs, out); break;
-    case FMT_Q4_K: dot_rows_q8_fmt(FMT_Q4_K, row, nb, R, xq, xq_bytes, dx, xs, out); break;
-    case FMT_Q5_K: dot_rows_q8_fmt(FMT_Q5_K, row, nb, R, xq, xq_bytes, dx, xs, out); break;
-    default: dot_rows_q8_fmt(FMT_Q6_K, row, nb, R, xq, xq_bytes, dx, xs, out); break;
+    case FMT_Q4_0: dot_rows_q8_fmt(rb, FMT_Q4_0, row, nb, R, xq, xq_bytes, dx, xs, out); break;
+    case FMT_Q4_1: dot_rows_q8_fmt(rb, FMT_Q4_1, row, nb, R, xq, xq_bytes, dx, xs, out); break;
+    case FMT_Q5_0: dot_rows_q8_fmt(rb, FMT_Q5_0, row, nb, R, xq, xq_bytes, dx, xs, out); break;
+    case FMT_Q5_1: dot_rows_q8_fmt(rb, FMT_Q5_1, row, nb, R, xq, xq_bytes, dx, xs, out); break;
+    case FMT_Q8_0: dot_rows_q8_fmt(rb, FMT_Q8_0, row, nb, R, xq, xq_bytes, dx, xs, out); break;
+    case FMT_Q4_K: dot_rows_q8_fmt(rb, FMT_Q4_K, row, nb, R, xq, xq_bytes, dx, xs, out); break;
+    case FMT_Q5_K: dot_rows_q8_fmt(rb, FMT_Q5_K, row, nb, R, xq, xq_bytes, dx, xs, out); break;
+    default: dot_rows_q8_fmt(rb, FMT_Q6_K, row, nb, R, xq, xq_bytes, dx, xs, out); break;
     }
 }
 
@@ -1106,6 +1129,30 @@ static inline const uint8_t *lin_row(const tri_lin *L, int n, int *fmt, size_t *
     return L->w[p] + (size_t)n * L->row_bytes[p];
 }
 
+/* This thread's rows of W, [*n0, *n1): contiguous, with as near an equal share of W's bytes as
+ * whole rows allow. Parts in different formats differ in bytes a row (Q4_K_M's v in Q6_K, q
+ * and k in Q4_K), and an equal share of rows would leave one thread the heavy part. */
+static void lin_rows_of_thread(const tri_lin *L, int *n0, int *n1) {
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    size_t total = 0;
+    for (int p = 0; p < L->nparts; p++) total += (size_t)L->rows[p] * L->row_bytes[p];
+    int bounds[2];
+    for (int e = 0; e < 2; e++) {  /* the first row at or past byte total * (t + e) / T */
+        const size_t target = total / T * (t + e) + total % T * (t + e) / T;
+        size_t before = 0;
+        int n = 0, p = 0;
+        while (p < L->nparts && before + (size_t)L->rows[p] * L->row_bytes[p] <= target) {
+            before += (size_t)L->rows[p] * L->row_bytes[p];
+            n += L->rows[p++];
+        }
+        if (p < L->nparts)
+            n += (int)((target - before + L->row_bytes[p] - 1) / L->row_bytes[p]);
+        bounds[e] = t + e == T ? L->N : n;
+    }
+    *n0 = bounds[0];
+    *n1 = bounds[1];
+}
+
 /* What a few-rows product needs of x before the threads start: the float sums of x's blocks,
  * and with int16 activations x rounded to int16 (qx) with a scale per block (dx). */
 static void linear_prep(int fmt, const float *x, int M, int K, float *xsum, uint8_t *qx, float *dx) {
@@ -1121,15 +1168,12 @@ static void linear_prep(int fmt, const float *x, int M, int K, float *xsum, uint
 static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *y,
                                 const float *xsum, const uint8_t *qx, const float *dx) {
     const int K = L->K, N = L->N, nb = K / 32;
-    #pragma omp for schedule(static)
-    for (int n = 0; n < N; n++) {
+    int n0, n1;
+    lin_rows_of_thread(L, &n0, &n1);
+    for (int n = n0; n < n1; n++) {
         int fmt;
         size_t rb;
         const uint8_t *row = lin_row(L, n, &fmt, &rb);
-        /* the row after next on its way from memory while this one is computed (a prefetch past
-         * the part's end cannot fault) */
-        for (size_t off = 0; off < rb; off += 64)
-            _mm_prefetch((const char *)(row + 2 * rb + off), _MM_HINT_T0);
         for (int m = 0; m < M; m++) {
             const float *xs = xsum + (size_t)m * nb * XSUM_PER_BLOCK;
             const float dot = qx ? dot_row_q16(fmt, row, qx + m * qx_row_bytes(K), dx + (size_t)m * nb, xs, nb)
@@ -1137,6 +1181,7 @@ static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *
             y[(size_t)m * N + n] = dot + (L->bias ? L->bias[n] : 0.0f);
         }
     }
+    #pragma omp barrier
 }
 
 /* The same product for more rows: tiles of NT weight rows dequantized into L1 (``bufs``: NT * K
@@ -1190,19 +1235,18 @@ static void linear_q8_omp(const tri_lin *L, const float *x, int M, float *y, con
     #pragma omp for schedule(static)
     for (int m = 0; m < M; m++)
         quantize_row_q8(x + (size_t)m * K, K, qx + m * xb, s->dx + (size_t)m * nb, s->xsum + m * xsb);
+    int n0, n1;
+    lin_rows_of_thread(L, &n0, &n1);
     for (int m0 = 0; m0 < M; m0 += MB) {
         const int m1 = m0 + MB < M ? m0 + MB : M;
-        #pragma omp for schedule(static) nowait
-        for (int n = 0; n < N; n++) {
+        for (int n = n0; n < n1; n++) {
             int fmt;
             size_t rb;
             const uint8_t *row = lin_row(L, n, &fmt, &rb);
-            for (size_t off = 0; off < rb; off += 64)  /* as in linear_few_rows_omp */
-                _mm_prefetch((const char *)(row + 2 * rb + off), _MM_HINT_T0);
             for (int r0 = m0; r0 < m1; r0 += R8) {
                 const int R = m1 - r0 < R8 ? m1 - r0 : R8;
                 float out[R8];
-                dot_rows_q8(fmt, row, nb, R, qx + r0 * xb, xb, s->dx + (size_t)r0 * nb,
+                dot_rows_q8(fmt, row, rb, nb, R, qx + r0 * xb, xb, s->dx + (size_t)r0 * nb,
                             s->xsum + r0 * xsb, out);
                 for (int r = 0; r < R; r++)
                     y[(size_t)(r0 + r) * N + n] = out[r] + (L->bias ? L->bias[n] : 0.0f);

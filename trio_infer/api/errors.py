@@ -5,6 +5,9 @@ Every path that can answer with an error goes through here, including Quart's ow
 sends a connection past the cap, so a client never sees an HTML page or FastAPI-style ``detail``
 list. A 503 is always of type ``server_error`` (its ``code`` says why). Nothing internal (tracebacks, exception reprs of unexpected
 errors) is leaked; the log gets the details.
+
+Anthropic's ``/v1/messages`` answers the same errors in Anthropic's envelope
+(:func:`anthropic_error_body`): ``{"type": "error", "error": {"type", "message"}}``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 from typing import Any
 
 from pydantic import ValidationError
-from quart import Quart, g
+from quart import Quart, g, has_request_context, request
 from werkzeug.exceptions import HTTPException
 
 from trio_infer.runtime.errors import (
@@ -63,6 +66,37 @@ def error_body(
     message: str, type: str = INVALID_REQUEST, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# -- Anthropic's envelope (/v1/messages, api/messages.py) -------------------------------------------
+
+# Requests under this path are Anthropic's: their errors are ``{"type": "error", "error": {"type",
+# "message"}}``, the same statuses, and the field at fault named at the start of the message
+# (Anthropic's envelope has no ``param``).
+ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
+
+
+def anthropic_error_body(status: int, message: str, param: str | None = None,
+                         code: str | None = None) -> dict[str, Any]:
+    if status in _ANTHROPIC_TYPES:
+        kind = _ANTHROPIC_TYPES[status]
+    elif status < 500:
+        kind = "invalid_request_error"
+    else:  # 503 for a full queue is Anthropic's overloaded_error (their 529)
+        kind = "overloaded_error" if code == "overloaded" else "api_error"
+    if param and param not in message:
+        message = f"{param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _envelope(status: int, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` (OpenAI's envelope) as the API of the current request has its errors."""
+    if has_request_context() and (request.path == ANTHROPIC_PATH or request.path.startswith(ANTHROPIC_PATH + "/")):
+        e = body["error"]
+        return anthropic_error_body(status, e["message"], e.get("param"), e.get("code"))
+    return body
 
 
 def from_engine_error(exc: EngineError) -> APIError:
@@ -137,17 +171,17 @@ def _close_unless_body_read(headers: dict[str, str]) -> dict[str, str]:
 def register_error_handlers(app: Quart) -> None:
     @app.errorhandler(APIError)
     async def _api_error(exc: APIError):  # type: ignore[no-untyped-def]
-        return exc.body(), exc.status, _close_unless_body_read(exc.headers)
+        return _envelope(exc.status, exc.body()), exc.status, _close_unless_body_read(exc.headers)
 
     @app.errorhandler(ValidationError)
     async def _validation_error(exc: ValidationError):  # type: ignore[no-untyped-def]
         message, param = validation_message(exc)
-        return error_body(message, param=param), 400, _close_unless_body_read({})
+        return _envelope(400, error_body(message, param=param)), 400, _close_unless_body_read({})
 
     @app.errorhandler(EngineError)
     async def _engine_error(exc: EngineError):  # type: ignore[no-untyped-def]
         err = from_engine_error(exc)
-        return err.body(), err.status, _close_unless_body_read(err.headers)
+        return _envelope(err.status, err.body()), err.status, _close_unless_body_read(err.headers)
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException):  # type: ignore[no-untyped-def]
@@ -156,10 +190,10 @@ def register_error_handlers(app: Quart) -> None:
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
         message = exc.description or exc.name
         headers = {k: v for k, v in exc.get_headers() if k.lower() == "allow"}
-        return error_body(message, kind, code=code), status, _close_unless_body_read(headers)
+        return _envelope(status, error_body(message, kind, code=code)), status, _close_unless_body_read(headers)
 
     @app.errorhandler(Exception)
     async def _unhandled(exc: Exception):  # type: ignore[no-untyped-def]
         log.error("unhandled error in a request handler", exc_info=exc)
         err = internal_error()
-        return err.body(), err.status, _close_unless_body_read({})
+        return _envelope(err.status, err.body()), err.status, _close_unless_body_read({})

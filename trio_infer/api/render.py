@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 from trio_infer.api import sse
+from trio_infer.api.errors import APIError
 from trio_infer.api.events import (
     Content,
     Event,
@@ -249,6 +250,15 @@ class Serializer:
         """The whole (non-streamed) response: ``events[i]`` are what ``choices[i]`` says
         (``ResponseEvents.whole``)."""
         raise NotImplementedError
+
+    def end(self, choices: Sequence[ChoiceText]) -> str:
+        """What a stream says after its last event (``choices``: the whole text of each): the
+        usage chunk when asked, then ``[DONE]``."""
+        return (self.usage_chunk(choices) if self.plan.include_usage else "") + sse.DONE
+
+    def failed(self, err: APIError) -> str:
+        """What a stream says when it fails after its first byte (the status line is gone)."""
+        return sse.error_event(err)
 
     def _text(self, e: Content, finish: str | None) -> str:
         raise NotImplementedError

@@ -28,7 +28,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import trio
 from pydantic import BaseModel
@@ -63,7 +63,12 @@ from trio_infer.api.plans import (
     render_chat,
 )
 from trio_infer.api.events import ResponseEvents
-from trio_infer.api.render import serializer
+from trio_infer.api.anthropic_protocol import CountTokensRequest, MessagesRequest
+from trio_infer.api.messages import MessagesSerializer, count_message_tokens, plan_messages
+from trio_infer.api.responses import make_serializer as responses_serializer
+from trio_infer.api.responses import plan_responses
+from trio_infer.api.responses_protocol import ResponsesRequest
+from trio_infer.api.render import Serializer, TokenText, serializer
 from trio_infer.api.state import ServerState, server_state
 from trio_infer.runtime.errors import EngineError
 from trio_infer.runtime.text_stream import TextOptions, open_batch_text_stream
@@ -267,7 +272,12 @@ def register_routes(app: Quart) -> None:
         if key and request.path != "/health" and request.endpoint not in _PUBLIC_ENDPOINTS:
             given = request.headers.get("Authorization", "")
             scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+            # Anthropic's clients send the key as 'x-api-key' (accepted on every route).
+            other = request.headers.get("x-api-key")
+            if not ok and other is not None:
+                ok = hmac.compare_digest(other.strip().encode(), key.encode())
+            if not ok:
                 raise APIError(
                     401,
                     "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
@@ -340,6 +350,25 @@ def register_routes(app: Quart) -> None:
         req = await parse_body(CompletionRequest, UNSUPPORTED_COMPLETION)
         return await _serve(state, plan_completion(req, state.tokenizer, state.limits))
 
+    @app.post("/v1/responses")
+    async def responses() -> Response:
+        state = server_state(app).ready()
+        req = await parse_body(ResponsesRequest)
+        plan, echo = plan_responses(req, state.tokenizer, state.limits)
+        return await _serve(state, plan, responses_serializer(echo))
+
+    @app.post("/v1/messages")
+    async def messages() -> Response:
+        state = server_state(app).ready()
+        req = await parse_body(MessagesRequest)
+        return await _serve(state, plan_messages(req, state.tokenizer, state.limits), MessagesSerializer)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens() -> Response:
+        state = server_state(app).ready()
+        req = await parse_body(CountTokensRequest)
+        return json_response({"input_tokens": count_message_tokens(req, state.tokenizer, state.limits)})
+
     @app.post("/tokenize")
     async def tokenize() -> Response:
         state = server_state(app).ready()
@@ -371,31 +400,36 @@ def _options(plan: Plan) -> TextOptions:
     return TextOptions(plan.skip_special_tokens, plan.include_stop_str)
 
 
-async def _serve(state: ServerState, plan: Plan) -> Response:
+# A serializer for a plan: ``render.serializer`` picks chat's or completions'; the other APIs
+# (api/responses.py, api/messages.py) pass their own.
+MakeSerializer = Callable[[Plan, TokenText], Serializer]
+
+
+async def _serve(state: ServerState, plan: Plan, make: MakeSerializer = serializer) -> Response:
     if plan.stream:
-        return await _stream(state, plan)
-    return await _complete(state, plan)
+        return await _stream(state, plan, make)
+    return await _complete(state, plan, make)
 
 
-async def _complete(state: ServerState, plan: Plan) -> Response:
+async def _complete(state: ServerState, plan: Plan, make: MakeSerializer = serializer) -> Response:
     async with open_batch_text_stream(
         state.engine, state.tokenizer, plan.prompts, plan.params, plan.stop, options=_options(plan)
     ) as text:
         async for _ in text:
             pass
     said = ResponseEvents(plan)
-    body = serializer(plan, state.texts).response(text.choices, [said.whole(c) for c in text.choices])
+    body = make(plan, state.texts).response(text.choices, [said.whole(c) for c in text.choices])
     return json_response(body)
 
 
-async def _stream(state: ServerState, plan: Plan) -> Response:
+async def _stream(state: ServerState, plan: Plan, make: MakeSerializer = serializer) -> Response:
     # Admission before the response starts: a full queue or a draining server is still a real
     # HTTP status (503), not an error event. The session itself is entered in the body, so a
     # client that leaves before the body starts leaves nothing behind.
     state.engine.check_admission(plan.num_choices)
     engine, tokenizer, interval = state.engine, state.tokenizer, state.settings.stream_interval
     events = ResponseEvents(plan)
-    writer = serializer(plan, state.texts)
+    writer = make(plan, state.texts)
 
     async def body():  # type: ignore[no-untyped-def]
         # Trap 5: no `request` in here; everything needed was captured above.
@@ -410,17 +444,18 @@ async def _stream(state: ServerState, plan: Plan) -> Response:
                 async for deltas in text:
                     # One write per read of the stream, whatever it held: each write is an ASGI
                     # send, which costs far more than joining strings (sse.py).
-                    chunks = writer.write(events.feed(deltas), counts)
+                    said = events.feed(deltas)
+                    # With continuous_usage_stats (chat, completions) the chunks carry usage.
+                    chunks = writer.write(said) if counts is None else writer.write(said, counts)
                     if chunks is not None:
                         yield chunks
-            tail = writer.usage_chunk(text.choices) if plan.include_usage else ""
-            tail += sse.DONE
+            tail = writer.end(text.choices)
         except EngineError as exc:
             # Trap 6: an error after the first byte becomes an event, never a cut body.
-            tail = sse.error_event(from_engine_error(exc))
+            tail = writer.failed(from_engine_error(exc))
         except Exception:
             log.exception("error while streaming a response")
-            tail = sse.error_event(internal_error())
+            tail = writer.failed(internal_error())
         yield tail
 
     response = await make_response(body(), 200, sse.HEADERS)
