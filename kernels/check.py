@@ -406,7 +406,7 @@ def check_end_to_end(dev: torch.device, shape: str = "small", num_prompts: int =
     """
     from kernels import ops
     from trio_infer.engine.engine import Engine, EngineConfig
-    from trio_infer.engine.params import SamplingParams
+    from trio_infer.wire import SamplingParams
     from trio_infer.models.loader import load_model
     from trio_infer.models.synthetic import SHAPES, build_random_checkpoint
 

@@ -16,7 +16,7 @@ from trio_infer.engine.engine import Engine
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import AsyncEngine
 from trio_infer.runtime.errors import RequestFailed, RequestStalled
-from trio_infer.runtime.protocol import Output, Uid
+from trio_infer.wire import RequestOutput as Output, Uid
 from trio_infer.runtime.worker import WorkerCore
 
 from .runner import ProbeEngine, Record, Report, SessionLog, runtime_errors, stats_idle

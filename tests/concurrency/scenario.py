@@ -17,7 +17,7 @@ import functools
 from dataclasses import dataclass
 from typing import Literal
 
-from trio_infer.engine.params import SamplingParams
+from trio_infer.wire import SamplingParams
 from trio_infer.models.fake import expected_next_token
 
 VOCAB = 61  # small, so stop tokens and the EOS are hit often

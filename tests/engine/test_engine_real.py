@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trio_infer.engine.engine import Engine, EngineConfig
-from trio_infer.engine.params import SamplingParams
+from trio_infer.wire import SamplingParams
 from trio_infer.models.loader import load_model
 
 GREEDY_32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trio_infer.engine.engine import Engine, EngineConfig, RequestOutput
-from trio_infer.engine.params import SamplingParams
+from trio_infer.wire import SamplingParams
 from trio_infer.models.fake import FakeModel, logprob
 from trio_infer.models.loader import load_model
 

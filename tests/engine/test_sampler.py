@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from trio_infer.engine.params import SamplingParams
+from trio_infer.wire import SamplingParams
 from trio_infer.engine.sampler import sample
 from trio_infer.engine.sequence import Sequence
 

@@ -9,7 +9,7 @@ import trio
 import trio.testing
 
 from trio_infer.engine.engine import Engine, EngineConfig
-from trio_infer.engine.params import SamplingParams
+from trio_infer.wire import SamplingParams
 from trio_infer.metrics import Metrics
 from trio_infer.models.fake import FakeModel
 from trio_infer.runtime.client import AsyncEngine, open_engine
@@ -339,7 +339,7 @@ async def test_a_worker_that_breaks_the_protocol_is_dropped(autojump_clock, capl
     connection is dropped (and, for a worker process, it is restarted)."""
     from contextlib import asynccontextmanager
 
-    from trio_infer.runtime.protocol import Hello, encode
+    from trio_infer.wire import Hello, encode
 
     class Broken:
         def __init__(self) -> None:

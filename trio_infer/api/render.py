@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from trio_infer.api import sse
 from trio_infer.api.plans import Plan
 from trio_infer.api.tools import CallStream
-from trio_infer.engine.sampler import TokenLogprob
+from trio_infer.wire import TokenLogprob
 from trio_infer.runtime.text_stream import ChoiceDelta, ChoiceText
 
 # JSON has no -inf; OpenAI reports "practically impossible" as this.

@@ -15,7 +15,7 @@ from trio_infer.api.plans import ModelLimits
 from trio_infer.api.render import TokenText
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import AsyncEngine
-from trio_infer.runtime.protocol import Loading
+from trio_infer.wire import Loading
 from trio_infer.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -29,8 +29,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from trio_infer.models.gguf_loader import load_gguf_tokenizer
-
 log = logging.getLogger(__name__)
 
 
@@ -47,10 +45,13 @@ def cache_key(gguf_file: Path) -> str:
 def load_gguf_tokenizer_cached(gguf_file: Path, cache_dir: Path) -> Any:
     """The tokenizer of ``gguf_file``, from ``cache_dir`` (its ``tokenizers`` folder) when it was
     converted before, else converted now and stored there."""
-    from transformers import AutoTokenizer
+    from trio_infer.runtime.tokenizer import load_saved_tokenizer
 
     entry = cache_dir / "tokenizers" / cache_key(gguf_file)
     if not entry.is_dir():
+        # The conversion reads the file with the model loader's code (torch): once per file.
+        from trio_infer.models.gguf_loader import load_gguf_tokenizer
+
         log.info("converting the tokenizer of %s (cached for later starts in %s)", gguf_file, entry)
         tokenizer = load_gguf_tokenizer(gguf_file)
         try:
@@ -58,7 +59,7 @@ def load_gguf_tokenizer_cached(gguf_file: Path, cache_dir: Path) -> Any:
         except OSError as exc:  # a read-only cache: serve anyway, convert again next time
             log.warning("could not cache the tokenizer in %s: %s", entry, exc)
             return tokenizer
-    return AutoTokenizer.from_pretrained(str(entry))
+    return load_saved_tokenizer(entry)
 
 
 def _store(tokenizer: Any, entry: Path) -> None:
