@@ -49,9 +49,6 @@ def load_gguf_tokenizer_cached(gguf_file: Path, cache_dir: Path) -> Any:
 
     entry = cache_dir / "tokenizers" / cache_key(gguf_file)
     if not entry.is_dir():
-        # The conversion reads the file with the model loader's code (torch): once per file.
-        from trio_infer.models.gguf_loader import load_gguf_tokenizer
-
         log.info("converting the tokenizer of %s (cached for later starts in %s)", gguf_file, entry)
         tokenizer = load_gguf_tokenizer(gguf_file)
         try:
@@ -60,6 +57,14 @@ def load_gguf_tokenizer_cached(gguf_file: Path, cache_dir: Path) -> Any:
             log.warning("could not cache the tokenizer in %s: %s", entry, exc)
             return tokenizer
     return load_saved_tokenizer(entry)
+
+
+def load_gguf_tokenizer(gguf_file: Path) -> Any:
+    """Convert the file's tokenizer (with the model loader's code, which imports torch: paid once
+    per file, by whichever process converts it first)."""
+    from trio_infer.models.gguf_loader import load_gguf_tokenizer as convert
+
+    return convert(gguf_file)
 
 
 def _store(tokenizer: Any, entry: Path) -> None:
