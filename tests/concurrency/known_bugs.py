@@ -6,22 +6,18 @@ reproduces it. Once the fix lands that test passes, which a strict xfail reports
 then set the flag to True (the strategies stop steering around it) and drop the xfail marker.
 """
 
-# FIXED in the old engine actor (a session with no unfinished choice has no stall deadline); the
-# regression test now runs against the front end of the batching worker, whose _finish_choice
-# drops the session from its paused set when its last choice ends. The old description:
-# AsyncEngine._finish_choice (GenerationStream.finish, used by the HTTP layer when a stop string
-# matches) ends the session's last unfinished choice without clearing ``paused_since``. The session
-# stays registered until its reader is done, ``_apply_backpressure`` skips it (no unfinished
-# choice), and ``_idle`` keeps a stall deadline for it; once that deadline has passed, the actor
-# spins: ``move_on_at(past)`` returns at once, every time, and the event loop never idles.
+# FIXED: finishing the last live choice of a paused session (GenerationStream.finish, used by the
+# HTTP layer when a stop string matches) must clear its pause, or the front end keeps a stall
+# deadline for a session that waits for nothing and, once it has passed, spins on it. Today
+# ``Session.finish`` (runtime/session.py) resumes the session when every live choice (none left)
+# has credits, which takes it out of ``Router.oldest_paused``.
 # Steering: a client that ends choices itself (engine suite: Client("finish"); HTTP suite: stop
 # strings) drains its stream promptly afterwards.
 FINISH_CHOICE_SPIN_FIXED = True
 
-# FIXED (runtime/client.py: _abort_stalled compares ``since + stall_timeout_s`` with now, the same
-# expression the receive loop's deadline is). The old description:
-# (runtime/client.py, AsyncEngine._receive_loop / _abort_stalled).
-# The receive loop wakes at ``since + stall_timeout_s``; ``_abort_stalled`` then aborts only if
+# FIXED (runtime/client.py: ``AsyncEngine._abort_stalled`` compares ``paused_since +
+# stall_timeout_s`` with now, the same expression the receive loop's deadline is). The old bug:
+# the receive loop woke at ``since + stall_timeout_s``; ``_abort_stalled`` then aborted only if
 # ``since <= now - stall_timeout_s``. In floats ``(since + T) - T`` can be less than ``since``
 # (since=1.360999553995268, T=30), so at the deadline nothing is aborted, the next deadline is the
 # same instant, already past, and the loop spins without waiting. Under a MockClock the clock

@@ -43,7 +43,7 @@ from trio_infer.runtime.errors import (
     RequestFailed,
     RequestStalled,
 )
-from trio_infer.runtime.router import Router
+from trio_infer.runtime.router import Router, RouterStatistics
 from trio_infer.runtime.session import GenerationStream, Session
 from trio_infer.runtime.transport import open_worker_process, open_worker_socket, open_worker_task
 from trio_infer.runtime.worker_link import (
@@ -98,6 +98,10 @@ class AsyncEngine:
     def live_uids(self) -> list[Uid]:
         """Uids the front end still tracks (empty when nothing is in flight)."""
         return self._router.live_uids()
+
+    def statistics(self) -> RouterStatistics:
+        """The front end's per-request state, counted (sessions, live uids, waiting, paused)."""
+        return self._router.statistics()
 
     # -- the request side ---------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ reads.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import msgspec
@@ -43,6 +44,16 @@ from trio_infer.wire import (
     encode,
     encode_message,
 )
+
+
+@dataclass(frozen=True)
+class RouterStatistics:
+    """The front end's per-request state, counted: all 0 when nothing is in flight (invariant 1)."""
+
+    sessions: int  # open sessions
+    live_uids: int  # their live choices
+    waiting: int  # choices without a first output yet (what admission caps)
+    paused: int  # sessions out of credits (their stall clocks run)
 
 
 class Router:
@@ -86,6 +97,10 @@ class Router:
     def live_uids(self) -> list[Uid]:
         return sorted(uid for s in self._sessions.values() for uid in s.live_uids)
 
+    def statistics(self) -> RouterStatistics:
+        return RouterStatistics(len(self._sessions), sum(s.num_live for s in self._sessions.values()),
+                                self.num_waiting, len(self._paused))
+
     async def wait_closed(self) -> None:
         """Return once no session is open."""
         while self._sessions:
@@ -105,8 +120,10 @@ class Router:
         self.num_waiting -= session.num_live
         self.metrics.time_to_first_token.observe(now - session.arrival)
 
-    def ended(self, session: Session, reason: str) -> None:
-        """A choice of ``session`` ended (``stop``, ``length``, ``abort`` or ``error``)."""
+    def ended(self, session: Session, index: int, reason: str) -> None:
+        """Choice ``index`` of ``session`` ended (``stop``, ``length``, ``abort`` or ``error``):
+        credits not yet returned for it are moot."""
+        self._returned.pop((session.request_id, index), None)
         self.metrics.requests_total.labels(finish_reason=reason).inc()
         if not session.started:
             self.num_waiting -= 1
@@ -122,7 +139,6 @@ class Router:
         self.has_data.set()
 
     def abort(self, uid: Uid) -> None:
-        self._returned.pop(uid, None)
         self._outbox.append(Abort(uid))
         self.has_data.set()
 

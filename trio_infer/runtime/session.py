@@ -86,8 +86,7 @@ class Session:
     def fail(self, index: int, error: EngineError) -> None:
         """The worker ended choice ``index`` with an error: the whole request ends with it."""
         if self.is_live(index):
-            self._end(index, "error")
-            self.close(error)
+            self.close(error, reason="error")
 
     # -- the reader's side -------------------------------------------------------------------
 
@@ -108,13 +107,14 @@ class Session:
             self._router.abort((self.request_id, index))
             self._resume_if_ready()  # the choice that was out of credits may be this one
 
-    def close(self, error: EngineError | None = None) -> None:
-        """End the request: abort what is unfinished, close the channel, leave the router.
-        Idempotent; ``error`` (the first one given) is what the reader gets after its outputs."""
+    def close(self, error: EngineError | None = None, reason: str = "abort") -> None:
+        """End the request: abort what is unfinished (counted as ``reason``), close the channel,
+        leave the router. Idempotent; ``error`` (the first one given) is what the reader gets
+        after its outputs."""
         if error is not None and self.error is None:
             self.error = error
         for index in list(self._credits):  # never finished: they end here, counted once
-            self._end(index, "abort")
+            self._end(index, reason)
             self._router.abort((self.request_id, index))
         self._send.close()
         self._resume_if_ready()
@@ -124,7 +124,7 @@ class Session:
 
     def _end(self, index: int, reason: str) -> None:
         del self._credits[index]
-        self._router.ended(self, reason)
+        self._router.ended(self, index, reason)
         if not self._credits:
             self._send.close()  # the reader sees the end after the last output
 
