@@ -33,7 +33,7 @@ from typing import Callable
 import trio
 
 from trio_infer.runtime.transport import open_worker_process
-from trio_infer.runtime.worker_link import MessageStream, RestartPolicy, WorkerLink, WorkerStartError
+from trio_infer.runtime.worker_link import WORKER_DEATH, MessageStream, RestartPolicy, WorkerLink
 from trio_infer.settings import Settings
 from trio_infer.wire import Fatal, Hello
 
@@ -135,7 +135,7 @@ async def _run_worker(
     with scope:
         try:
             await link.run(_wait_for_exit, on_down=lambda: None)
-        except WorkerStartError as exc:
+        except WORKER_DEATH as exc:
             log.error("the batching worker cannot start: %s", exc)
         give_up()
 

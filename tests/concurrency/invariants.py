@@ -15,10 +15,10 @@ from typing import Hashable
 from trio_infer.engine.engine import Engine
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import AsyncEngine
-from trio_infer.runtime.router import RouterStatistics
 from trio_infer.runtime.errors import RequestFailed, RequestStalled
-from trio_infer.wire import RequestOutput as Output, Uid
+from trio_infer.runtime.router import RouterStatistics
 from trio_infer.runtime.worker import WorkerCore
+from trio_infer.wire import RequestOutput as Output, Uid
 
 from .runner import ProbeEngine, Record, Report, SessionLog, runtime_errors, stats_idle
 from .scenario import Scenario, expected_output

@@ -50,9 +50,9 @@ from trio_infer.metrics import Metrics
 from trio_infer.models.fake import FakeModel
 from trio_infer.runtime.client import AsyncEngine, GenerationStream, open_engine
 from trio_infer.runtime.errors import EngineError, EngineUnavailable
-from trio_infer.wire import RequestOutput as Output, Uid
 from trio_infer.runtime.worker import WorkerCore
 from trio_infer.settings import Settings
+from trio_infer.wire import RequestOutput as Output, Uid
 
 from .char_tokenizer import ll_tokenizer
 from .scenario import EOS, VOCAB, Request, Scenario, Stats

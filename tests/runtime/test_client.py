@@ -9,10 +9,10 @@ import trio
 import trio.testing
 
 from trio_infer.engine.engine import Engine, EngineConfig
-from trio_infer.wire import SamplingParams
 from trio_infer.metrics import Metrics
 from trio_infer.models.fake import FakeModel
 from trio_infer.runtime.client import AsyncEngine, open_engine
+from trio_infer.wire import SamplingParams
 from trio_infer.runtime.errors import (
     EngineOverloaded,
     EngineUnavailable,

@@ -12,8 +12,8 @@ from typing import Any, Sequence
 from trio_infer.api import sse
 from trio_infer.api.plans import Plan
 from trio_infer.api.tools import CallStream
-from trio_infer.wire import TokenLogprob
 from trio_infer.runtime.text_stream import ChoiceDelta, ChoiceText
+from trio_infer.wire import TokenLogprob
 
 # JSON has no -inf; OpenAI reports "practically impossible" as this.
 _MIN_LOGPROB = -9999.0

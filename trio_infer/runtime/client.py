@@ -44,7 +44,7 @@ from trio_infer.runtime.errors import (
     RequestStalled,
 )
 from trio_infer.runtime.router import Router, RouterStatistics
-from trio_infer.runtime.session import GenerationStream, Session
+from trio_infer.runtime.session import GenerationStream
 from trio_infer.runtime.transport import open_worker_process, open_worker_socket, open_worker_task
 from trio_infer.runtime.worker_link import (
     Connect,
