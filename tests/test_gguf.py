@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trio_infer.engine.engine import Engine, EngineConfig
 from trio_infer.engine.forward_batch import ForwardBatch
-from trio_infer.engine.params import SamplingParams
+from trio_infer.wire import SamplingParams
 from trio_infer.models.default_model import (
     DEFAULT_MODEL_NAME,
     default_cache_dir,

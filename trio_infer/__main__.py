@@ -163,9 +163,9 @@ async def generate(
     settings: Settings, prompt: str, max_tokens: int, temperature: float, seed: int | None
 ) -> dict[str, Any]:
     """One completion through the public library API (``open_engine``, the text stream)."""
-    from trio_infer.engine.params import SamplingParams
+    from trio_infer.wire import SamplingParams
     from trio_infer.runtime.client import open_engine
-    from trio_infer.runtime.loading import build_tokenizer
+    from trio_infer.runtime.tokenizer import build_tokenizer
     from trio_infer.runtime.text_stream import open_text_stream
 
     tokenizer = await trio.to_thread.run_sync(build_tokenizer, settings)

@@ -25,7 +25,7 @@ Lifecycle of the worker inside the app:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from hypercorn.utils import LifespanFailureError
@@ -36,12 +36,14 @@ from trio_infer.api.plans import ModelLimits
 from trio_infer.api.render import TokenText
 from trio_infer.api.routes import register_routes
 from trio_infer.api.state import ServerState, server_state
-from trio_infer.engine.engine import Engine
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import open_engine
 from trio_infer.runtime.errors import EngineUnavailable
-from trio_infer.runtime.protocol import Loading
 from trio_infer.settings import Settings, Wiring
+from trio_infer.wire import Loading
+
+if TYPE_CHECKING:  # an engine object is only ever handed in (tests, embedding): never imported here
+    from trio_infer.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,7 @@ async def load_and_serve(nursery: trio.Nursery, state: ServerState) -> None:
     (after logging why) if either cannot be loaded."""
     settings = state.settings
     try:
-        from trio_infer.runtime.loading import build_tokenizer
+        from trio_infer.runtime.tokenizer import build_tokenizer
 
         state.loading = Loading("tokenizer")
         # Abandoned on cancellation: a shutdown mid-load need not wait for a conversion.

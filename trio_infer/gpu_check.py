@@ -28,7 +28,7 @@ import torch
 
 from kernels import check, ops
 from trio_infer.engine.engine import Engine, EngineConfig
-from trio_infer.engine.params import SamplingParams
+from trio_infer.wire import SamplingParams
 from trio_infer.models.loader import load_model
 from trio_infer.models.synthetic import SHAPES, build_random_checkpoint
 

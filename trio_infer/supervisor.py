@@ -1,6 +1,7 @@
 """``python -m trio_infer serve --api-workers N``: N front ends, one batching worker.
 
-With one front end (the default) the front end starts its own worker (``runtime/transport.py``).
+With one front end (the default) the front end starts its own worker (``runtime/transport.py``,
+kept by ``runtime/worker_link.py``).
 With N, a supervisor process (this module) owns everything: it binds the listening socket, starts
 one *shared* worker listening on a private Unix socket, then N front-end processes (the ordinary
 ``serve``, each inheriting the listening socket and connecting to the worker on a pipe of its
@@ -9,7 +10,8 @@ own: vLLM's ``--api-server-count``). The kernel spreads new connections over the
 Lifecycle:
 
 * the worker dies: every front end sees its pipe close, fails its live requests, answers 503 and
-  reconnects; the supervisor restarts the worker (bounded, logged);
+  reconnects; the supervisor restarts the worker (the same ``WorkerLink`` and restart policy as a
+  single front end's: bounded, logged);
 * SIGTERM or SIGINT: forwarded to the front ends, which drain gracefully and exit; then the
   supervisor closes the worker's control pipe, which ends it, and reaps it;
 * a front end dies on its own: the others are stopped as on SIGTERM, then the worker; exit 1.
@@ -27,10 +29,13 @@ import socket
 import sys
 import tempfile
 from typing import Callable
+
 import trio
 
-from trio_infer.runtime.protocol import Fatal, FrameDecoder, FromWorker
-from trio_infer.settings import Settings, worker_environment
+from trio_infer.runtime.transport import open_worker_process
+from trio_infer.runtime.worker_link import WORKER_DEATH, MessageStream, RestartPolicy, WorkerLink
+from trio_infer.settings import Settings
+from trio_infer.wire import Fatal, Hello
 
 log = logging.getLogger("trio_infer.supervisor")
 
@@ -52,7 +57,7 @@ async def supervise(settings: Settings, log_level: str) -> int:
     try:
         async with trio.open_nursery() as nursery:
             worker_scope = trio.CancelScope()
-            nursery.start_soon(_run_worker, settings, address, n, worker_scope, give_up)
+            nursery.start_soon(_run_worker, settings, log_level, address, n, worker_scope, give_up)
             env = {**os.environ, **_settings_env(settings), "TRIO_INFER_API_WORKERS": "1"}
             for _ in range(n):
                 front_ends.append(await trio.lowlevel.open_process(
@@ -115,65 +120,31 @@ def _signal_all(procs: list[trio.Process], signum: int) -> None:
 
 
 async def _run_worker(
-    settings: Settings, address: str, ports: int, scope: trio.CancelScope, give_up: Callable[[], None]
+    settings: Settings, log_level: str, address: str, ports: int, scope: trio.CancelScope,
+    give_up: Callable[[], None],
 ) -> None:
-    """Run the shared worker until ``scope`` is cancelled; restart it when it dies."""
-    restarts = 0
+    """Run the shared worker until ``scope`` is cancelled; restart it when it dies. Calls
+    ``give_up`` if it cannot load the model the first time, or died too often."""
+    link = WorkerLink(
+        lambda: open_worker_process(settings, log_level=log_level, listen=address, ports=ports),
+        RestartPolicy(settings.worker_max_restarts, settings.worker_restart_window_s,
+                      settings.worker_restart_delay_s),
+    )
     with scope:
-        while True:
-            started = trio.current_time()
-            if not await _one_worker(settings, address, ports):
-                give_up()
-                return
-            if trio.current_time() - started >= settings.worker_restart_window_s:
-                restarts = 0
-            restarts += 1
-            if restarts > settings.worker_max_restarts:
-                log.error("the batching worker died %d times in a row; giving up", restarts)
-                give_up()
-                return
-            log.warning("restarting the batching worker (%d of at most %d)", restarts,
-                        settings.worker_max_restarts)
-            await trio.sleep(settings.worker_restart_delay_s)
+        try:
+            await link.run(_wait_for_exit, on_down=lambda: None)
+        except WORKER_DEATH as exc:
+            log.error("the batching worker cannot start: %s", exc)
+        give_up()
 
 
-async def _one_worker(settings: Settings, address: str, ports: int) -> bool:
-    """Run one worker process until it exits; False if it could not load the model."""
-    ours, theirs = socket.socketpair()
-    try:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "trio_infer.runtime.worker", "--fd", str(theirs.fileno()),
-             "--listen", address, "--ports", str(ports)],
-            pass_fds=(theirs.fileno(),),
-            env=worker_environment(settings),
-        )
-    finally:
-        theirs.close()
-    control = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
-    try:
-        config = settings.model_dump_json().encode()
-        await control.send_all(len(config).to_bytes(4, "big") + config)
-        decoder = FrameDecoder(FromWorker)
-        fatal = False
-        while True:  # the worker says nothing here unless it could not load the model
-            data = await control.receive_some()
-            if not data:
-                break
-            for message in decoder.feed(data):
-                if isinstance(message, Fatal):
-                    fatal = True
-                    log.error("the batching worker cannot start: %s", message.message)
-        status = await process.wait()
-        log.error("the batching worker exited (%s)", status)
-        return not fatal
-    finally:
-        with trio.CancelScope(shield=True):
-            await control.aclose()  # the worker's signal to exit
-            with trio.move_on_after(5):
-                await process.wait()
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
+async def _wait_for_exit(stream: MessageStream, hello: Hello) -> None:
+    """Serve a shared worker's control pipe: nothing to do but notice that it exited."""
+    log.info("the batching worker is ready (%s), serving %d front ends", hello.name, hello.id_stride)
+    while messages := await stream.receive():
+        for message in messages:
+            if isinstance(message, Fatal):
+                log.error("the batching worker failed: %s", message.message)
 
 
 def _settings_env(settings: Settings) -> dict[str, str]:

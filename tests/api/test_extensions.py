@@ -25,7 +25,7 @@ from trio_infer.api.plans import ModelLimits, ReasoningPlan, plan_chat, template
 from trio_infer.api.protocol import ChatCompletionRequest
 from trio_infer.engine.engine import Engine, EngineConfig
 from trio_infer.engine.grammar import Grammars
-from trio_infer.engine.params import SamplingParams
+from trio_infer.wire import SamplingParams
 from trio_infer.engine.sampler import _adjust, _restrict
 from trio_infer.models.fake import FakeModel
 from trio_infer.models.synthetic import IM_END, IM_START_ID, build_tokenizer

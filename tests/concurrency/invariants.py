@@ -16,8 +16,9 @@ from trio_infer.engine.engine import Engine
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import AsyncEngine
 from trio_infer.runtime.errors import RequestFailed, RequestStalled
-from trio_infer.runtime.protocol import Output, Uid
+from trio_infer.runtime.router import RouterStatistics
 from trio_infer.runtime.worker import WorkerCore
+from trio_infer.wire import RequestOutput as Output, Uid
 
 from .runner import ProbeEngine, Record, Report, SessionLog, runtime_errors, stats_idle
 from .scenario import Scenario, expected_output
@@ -57,9 +58,11 @@ def check_nothing_left(report: Report) -> None:
 
 
 def check_front_idle(ae: AsyncEngine) -> None:
-    """The front end: no session, no per-uid entry, the sessions gauge at 0."""
+    """The front end: no session, no per-uid entry, nothing counted as waiting or paused, the
+    sessions gauge at 0."""
     assert ae.num_sessions == 0, f"{ae.num_sessions} live session(s) left in the front end"
     assert ae.live_uids() == [], f"per-uid entries left in the front end: {ae.live_uids()}"
+    assert ae.statistics() == RouterStatistics(0, 0, 0, 0), f"front end not idle: {ae.statistics()}"
     assert ae.metrics.sessions_active._value.get() == 0, "sessions_active gauge is not 0"
 
 

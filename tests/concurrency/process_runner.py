@@ -26,6 +26,7 @@ import trio
 
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import AsyncEngine, open_engine
+from trio_infer.runtime.router import RouterStatistics
 from trio_infer.settings import Settings
 
 from .runner import Probe, Record, SessionTap, run_client
@@ -164,8 +165,8 @@ async def _run_one(ae: AsyncEngine, sc: ProcessScenario) -> ProcessRun:
     finally:
         tap.detach()
     # The front end ends a session synchronously: nothing may be left of any request now.
-    if ae.num_sessions or ae.live_uids():
-        run.front_idle = f"{ae.num_sessions} session(s), live uids {ae.live_uids()}"
+    if ae.statistics() != RouterStatistics(0, 0, 0, 0):
+        run.front_idle = f"{ae.statistics()}, live uids {ae.live_uids()}"
     run.ends_after = requests_ended(ae.metrics)
     # The worker hears of the last aborts asynchronously; its statistics must come back to idle.
     with trio.move_on_after(IDLE_WAIT_S):

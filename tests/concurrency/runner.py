@@ -50,9 +50,9 @@ from trio_infer.metrics import Metrics
 from trio_infer.models.fake import FakeModel
 from trio_infer.runtime.client import AsyncEngine, GenerationStream, open_engine
 from trio_infer.runtime.errors import EngineError, EngineUnavailable
-from trio_infer.runtime.protocol import Output, Uid
 from trio_infer.runtime.worker import WorkerCore
 from trio_infer.settings import Settings
+from trio_infer.wire import RequestOutput as Output, Uid
 
 from .char_tokenizer import ll_tokenizer
 from .scenario import EOS, VOCAB, Request, Scenario, Stats
@@ -469,7 +469,7 @@ async def settle(engine: ProbeEngine) -> bool:
     ae, core = engine.ae, engine.core
     return (core is not None and not core.live_uids and not engine.num_requests
             and ae is not None and ae.stats is not None
-            and dataclasses.asdict(engine.statistics()) == msgspec.structs.asdict(ae.stats))
+            and engine.statistics() == ae.stats)
 
 
 def stats_idle(ae: AsyncEngine) -> bool:

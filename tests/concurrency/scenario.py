@@ -17,8 +17,8 @@ import functools
 from dataclasses import dataclass
 from typing import Literal
 
-from trio_infer.engine.params import SamplingParams
 from trio_infer.models.fake import expected_next_token
+from trio_infer.wire import SamplingParams
 
 VOCAB = 61  # small, so stop tokens and the EOS are hit often
 EOS = 0

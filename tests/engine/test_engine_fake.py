@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trio_infer.engine.engine import Engine, EngineConfig
-from trio_infer.engine.params import SamplingParams
 from trio_infer.models.fake import FakeModel
+from trio_infer.wire import SamplingParams
 
 VOCAB = 97
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from trio_infer.engine.engine import Engine, EngineConfig
-from trio_infer.engine.params import SamplingParams
 from trio_infer.models.loader import load_model
+from trio_infer.wire import SamplingParams
 
 GREEDY_32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
@@ -81,7 +82,7 @@ def test_seeded_sampling_reproducible_alone_and_in_a_batch(model) -> None:
     batched = run(Engine(model, EngineConfig(page_size=4, num_pages=200)),
                   {"s": (ps[0], sampled), **others}, stagger=1)["s"]
     assert alone == again == batched
-    other_seed = SamplingParams(**{**sampled.__dict__, "seed": 7})
+    other_seed = msgspec.structs.replace(sampled, seed=7)
     assert run(engine, {"t": (ps[0], other_seed)})["t"] != alone
 
 

@@ -15,9 +15,9 @@ import torch
 from trio_infer.engine import engine as engine_module
 from trio_infer.engine.engine import Engine, EngineConfig
 from trio_infer.engine.grammar import Grammars, TokenMasks, unpack_bitmask
-from trio_infer.engine.params import SamplingParams
 from trio_infer.models.loader import load_model, load_tokenizer
 from trio_infer.runtime.loading import build_grammars
+from trio_infer.wire import SamplingParams
 
 SCHEMA = {
     "type": "object",

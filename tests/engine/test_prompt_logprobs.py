@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trio_infer.engine.engine import Engine, EngineConfig, RequestOutput
-from trio_infer.engine.params import SamplingParams
 from trio_infer.models.fake import FakeModel, logprob
 from trio_infer.models.loader import load_model
+from trio_infer.wire import SamplingParams
 
 K = 3
 # Compared with an fp32 oracle to 1e-4: the KV cache stays fp32 (fp16 KV has its own tolerance test).

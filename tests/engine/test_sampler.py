@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from trio_infer.engine.params import SamplingParams
 from trio_infer.engine.sampler import sample
 from trio_infer.engine.sequence import Sequence
+from trio_infer.wire import SamplingParams
 
 VOCAB = 50
 

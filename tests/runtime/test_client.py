@@ -9,10 +9,10 @@ import trio
 import trio.testing
 
 from trio_infer.engine.engine import Engine, EngineConfig
-from trio_infer.engine.params import SamplingParams
 from trio_infer.metrics import Metrics
 from trio_infer.models.fake import FakeModel
 from trio_infer.runtime.client import AsyncEngine, open_engine
+from trio_infer.wire import SamplingParams
 from trio_infer.runtime.errors import (
     EngineOverloaded,
     EngineUnavailable,
@@ -339,7 +339,7 @@ async def test_a_worker_that_breaks_the_protocol_is_dropped(autojump_clock, capl
     connection is dropped (and, for a worker process, it is restarted)."""
     from contextlib import asynccontextmanager
 
-    from trio_infer.runtime.protocol import Hello, encode
+    from trio_infer.wire import Hello, encode
 
     class Broken:
         def __init__(self) -> None:
@@ -402,3 +402,36 @@ async def test_a_request_that_cannot_be_encoded_fails_alone(autojump_clock) -> N
                     pass
         assert len(results["other"][0]) == 10 and ae.healthy
         await assert_clean(ae, engine)
+
+
+async def test_a_front_end_bug_is_not_taken_for_a_worker_death(autojump_clock, monkeypatch, caplog) -> None:
+    """Only a worker's death is survived (and restarted); a bug on the front end's side propagates
+    out of ``AsyncEngine.run`` and stops the program loudly."""
+    def bug(self, stats):
+        raise ZeroDivisionError("a bug in the front end")
+
+    monkeypatch.setattr(AsyncEngine, "_update_gauges", bug)
+    engine = make()
+    with pytest.raises(BaseExceptionGroup) as info:
+        async with open_engine(settings(), engine=engine) as ae:
+            await collect(ae, [1, 2], [GREEDY])
+    assert info.group_contains(ZeroDivisionError, match="a bug in the front end")
+    assert "batching worker" not in caplog.text  # not reported as the worker's death
+
+
+def test_the_start_message_carries_the_settings_and_the_log_level_not_the_api_key() -> None:
+    import logging
+
+    from trio_infer.runtime.transport import start_message
+
+    logger = logging.getLogger("trio_infer")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        message = start_message(Settings(api_key="secret-key", max_waiting=7))
+    finally:
+        logger.setLevel(level)
+    assert message.log_level == "DEBUG"  # serve --log-level debug reaches the worker
+    assert "secret-key" not in message.settings
+    assert Settings.model_validate_json(message.settings).max_waiting == 7
+    assert start_message(Settings(), "warning").log_level == "WARNING"

@@ -1,7 +1,9 @@
-"""The front end / worker protocol as pure state machines: no process, no trio, no socket.
+"""The front end / worker protocol as pure state machines: no process, no event loop, no socket.
 
-Both ends run over a simulated pipe that delivers bytes in arbitrary pieces; hypothesis chooses
-the interleaving of adds, aborts, reads (credits), worker steps and deliveries.
+The front end's end is the router and its sessions (``runtime/router.py``, ``runtime/session.py``:
+their channels are used with ``*_nowait`` only), the worker's is ``WorkerCore``. Both run over a
+simulated pipe that delivers bytes in arbitrary pieces; hypothesis chooses the interleaving of
+adds, aborts, reads (credits), worker steps and deliveries.
 """
 
 from __future__ import annotations
@@ -12,33 +14,41 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import trio
+
 from trio_infer.engine.engine import Engine, EngineConfig
-from trio_infer.engine.params import SamplingParams
+from trio_infer.metrics import Metrics
 from trio_infer.models.fake import FakeModel
-from trio_infer.runtime.protocol import (
+from trio_infer.runtime.errors import RequestFailed
+from trio_infer.runtime.router import Router
+from trio_infer.runtime.session import Session
+from trio_infer.runtime.worker import WorkerCore
+from trio_infer.wire import (
     Abort,
     Add,
-    ClientProtocol,
     Credit,
+    EngineStatistics,
     FrameDecoder,
+    FromWorker,
     Hello,
     Loading,
-    Output,
     ProtocolError,
-    Stats,
+    RequestOutput,
+    SamplingParams,
+    Start,
     Step,
     ToWorker,
     encode,
 )
-from trio_infer.runtime.worker import WorkerCore
 
 VOCAB = 97
 
 
 def test_frames_survive_any_split() -> None:
     params = SamplingParams(temperature=0, max_tokens=3, stop_token_ids=(1, 2))
-    messages = [Add((1, 0), [1, 2, 3], params, 4), Credit((1, 0), 2), Abort((1, 0))]
-    data = encode(messages[:2]) + encode(messages[2:])
+    messages = [Start("{}", "DEBUG"), Add((1, 0), [1, 2, 3], params, 4), Credit((1, 0), 2),
+                Abort((1, 0))]
+    data = encode(messages[:3]) + encode(messages[3:])
     for cut in range(len(data) + 1):
         decoder = FrameDecoder(ToWorker)
         got = list(decoder.feed(data[:cut])) + list(decoder.feed(data[cut:]))
@@ -52,24 +62,67 @@ def test_garbage_is_a_protocol_error() -> None:
         list(FrameDecoder(ToWorker).feed(b"\xff\xff\xff\xff"))
 
 
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_sampling_params_are_checked_when_decoded_too() -> None:
+    """A worker never sees parameters the front end could not have built."""
+    data = encode([Add((1, 0), [1], SamplingParams(), 1)]).replace(b"\xcb?\xf0", b"\xcb\xbf\xf0", 1)
+    with pytest.raises(ProtocolError, match="temperature"):
+        FrameDecoder(ToWorker).feed(data)  # temperature -1.0
+
+
 def test_an_output_without_a_credit_is_refused() -> None:
-    client = ClientProtocol()
-    client.add((1, 0), [5], SamplingParams(), credits=1)
-    stats = Stats(0, 0, 0, 0, 1, 0, 0)
-    out = Output((1, 0), [3], None, None, None, 1, 1)
-    client.receive_data(encode([Step([out], [], stats)]))
-    assert client.credits((1, 0)) == 0
+    router = Router(Metrics(), clock=Clock())
+    session = router.open(1, [[5]], [SamplingParams()], credits=1)
+    out = RequestOutput((1, 0), [3], None, None, None, 1, 1)
+    router.deliver([out], [], RequestFailed)
+    assert session.credits(0) == 0 and router.oldest_paused() is session
     with pytest.raises(ProtocolError, match="without a credit"):
-        client.receive_data(encode([Step([out], [], stats)]))
+        router.deliver([out], [], RequestFailed)
+
+
+def test_a_session_owns_its_uids_credits_and_pause() -> None:
+    clock = Clock()
+    router = Router(Metrics(), clock=clock)
+    session = router.open(7, [[5], [6]], [SamplingParams()], credits=2)
+    assert router.live_uids() == [(7, 0), (7, 1)] and router.num_waiting == 2
+    clock.now = 1.0
+    router.deliver([RequestOutput((7, 0), [3], None, None, None, 1, 1)] * 2, [], RequestFailed)
+    assert router.num_waiting == 0 and session.paused_since == 1.0
+    outs = [session.receive.receive_nowait(), session.receive.receive_nowait()]
+    session.take(outs)  # two credits back: resumed
+    assert session.paused_since is None and router.oldest_paused() is None
+    session.finish(1)  # a stop string: aborted in the worker
+    assert router.live_uids() == [(7, 0)]
+    frame = FrameDecoder(ToWorker).feed(router.data_to_send())
+    assert [type(m) for m in frame] == [Add, Add, Abort, Credit]
+    router.deliver([RequestOutput((7, 1), [4], None, None, None, 1, 1)], [], RequestFailed)  # dropped
+    session.close()
+    assert router.num_sessions == 0 and router.live_uids() == []
+    assert FrameDecoder(ToWorker).feed(router.data_to_send()) == [Abort((7, 0))]
+    with pytest.raises(trio.EndOfChannel):
+        session.receive.receive_nowait()
+
+
+def test_a_request_that_cannot_be_encoded_leaves_nothing_behind() -> None:
+    router = Router(Metrics(), clock=Clock())
+    with pytest.raises(ValueError, match="cannot be sent"):
+        router.open(1, [[5]], [SamplingParams(), SamplingParams(top_k=10**20)], credits=1)
+    assert router.num_sessions == 0 and router.num_waiting == 0 and router.data_to_send() == b""
 
 
 def test_load_progress_comes_before_the_hello() -> None:
-    client = ClientProtocol()
+    decoder = FrameDecoder(FromWorker)
     data = encode([Loading("weights", 0, 9), Loading("weights", 4, 9)]) + encode([Loading("engine")])
-    first = client.receive_data(data[:-3])
-    assert first.loading == Loading("weights", 4, 9) and first.hello is None  # the newest
-    second = client.receive_data(data[-3:] + encode([Hello("m", 97, 64, 8)]))
-    assert second.loading == Loading("engine", None, None) and second.hello is not None
+    first = decoder.feed(data[:-3])
+    assert first == [Loading("weights", 0, 9), Loading("weights", 4, 9)]
+    second = decoder.feed(data[-3:] + encode([Hello("m", 97, 64, 8)]))
+    assert second == [Loading("engine", None, None), Hello("m", 97, 64, 8)]
 
 
 @dataclass
@@ -103,9 +156,10 @@ def test_any_interleaving_keeps_the_bound_and_ends_every_uid_once(ops, credits, 
     model = FakeModel(vocab_size=VOCAB, eos_token_id=0)
     engine = Engine(model, EngineConfig(page_size=2, num_pages=num_pages, max_running=4,
                                         max_batched_tokens=8))
-    worker, client = WorkerCore(engine), ClientProtocol()
+    worker, client = WorkerCore(engine), Router(Metrics(), clock=Clock())
+    sessions: dict[int, Session] = {}
     to_worker, to_client = Pipe(), Pipe()
-    unread: dict[tuple[int, int], list[Output]] = {}  # delivered, not taken by the reader
+    unread: dict[tuple[int, int], list[RequestOutput]] = {}  # delivered, not taken by the reader
     tokens: dict[tuple[int, int], list[int]] = {}
     prompts: dict[tuple[int, int], list[int]] = {}
     ends: dict[tuple[int, int], list[str]] = {}
@@ -114,23 +168,36 @@ def test_any_interleaving_keeps_the_bound_and_ends_every_uid_once(ops, credits, 
     def end(uid, how) -> None:
         ends.setdefault(uid, []).append(how)
 
+    decoder = FrameDecoder(FromWorker)
+
     def deliver(n) -> None:
-        delivery = client.receive_data(to_client.take(n))
-        for out in delivery.outputs:
-            unread[out.uid].append(out)
-            tokens[out.uid].extend(out.token_ids)
-            # The bound: what exists of a uid on the front end never exceeds its credits.
-            assert len(unread[out.uid]) <= credits, f"{out.uid}: {len(unread[out.uid])} unread"
-            if out.finish_reason is not None:
-                end(out.uid, out.finish_reason)
-        for failed in delivery.failed:
-            end(failed.uid, "failed")
+        for step in decoder.feed(to_client.take(n)):
+            client.deliver(step.outputs, [], RequestFailed)
+            drain()
+            for f in step.failed:  # a failure ends the whole request
+                session = sessions[f.uid[0]]
+                if session.is_live(f.uid[1]):
+                    for uid in session.live_uids:
+                        end(uid, "failed" if uid == f.uid else "abort")
+                client.deliver([], [f], RequestFailed)
+
+    def drain() -> None:
+        for session in sessions.values():  # what the sessions' channels now hold
+            while True:
+                try:
+                    out = session.receive.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+                unread[out.uid].append(out)
+                tokens[out.uid].extend(out.token_ids)
+                # The bound: what exists of a uid on the front end never exceeds its credits.
+                assert len(unread[out.uid]) <= credits, f"{out.uid}: {len(unread[out.uid])} unread"
+                if out.finish_reason is not None:
+                    end(out.uid, out.finish_reason)
 
     def read(uid, k) -> None:
         taken, unread[uid] = unread[uid][:k], unread[uid][k:]
-        running = [o for o in taken if o.finish_reason is None]
-        if running:
-            client.give_credit(uid, len(running))
+        sessions[uid[0]].take(taken)
 
     def step() -> None:
         to_worker_bytes = to_worker.take(None)
@@ -143,16 +210,19 @@ def test_any_interleaving_keeps_the_bound_and_ends_every_uid_once(ops, credits, 
         kind = o[0]
         if kind == "add":
             _, plen, n, max_tokens = o
+            prompt = [(next_id * 7 + j) % (VOCAB - 1) + 1 for j in range(plen)]
+            sessions[next_id] = client.open(
+                next_id, [prompt], [SamplingParams(temperature=0, max_tokens=max_tokens)] * n,
+                credits)
             for i in range(n):
                 uid = (next_id, i)
-                prompts[uid] = [(next_id * 7 + j) % (VOCAB - 1) + 1 for j in range(plen)]
-                client.add(uid, prompts[uid], SamplingParams(temperature=0, max_tokens=max_tokens),
-                           credits)
+                prompts[uid] = prompt
                 unread[uid], tokens[uid] = [], []
             next_id += 1
-        elif kind == "abort" and client.live_uids:
-            uid = client.live_uids[o[1] % len(client.live_uids)]
-            assert client.abort(uid)
+        elif kind == "abort" and client.live_uids():
+            live = client.live_uids()
+            uid = live[o[1] % len(live)]
+            sessions[uid[0]].finish(uid[1])  # ends that choice alone, on the front end's side
             end(uid, "abort")
         elif kind == "read" and unread:
             uids = sorted(unread)
@@ -173,9 +243,9 @@ def test_any_interleaving_keeps_the_bound_and_ends_every_uid_once(ops, credits, 
         for _ in range(credits + 1):
             step()
             deliver(None)
-        if not client.live_uids and not worker.live_uids and not to_client.data:
+        if not client.live_uids() and not worker.live_uids and not to_client.data:
             break
-    assert not client.live_uids and not worker.live_uids
+    assert not client.live_uids() and not worker.live_uids
     assert engine.num_requests == 0 and engine.num_request_pages == 0
     for uid in prompts:
         assert len(ends.get(uid, [])) == 1, f"{uid} ended {ends.get(uid)}"

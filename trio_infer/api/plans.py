@@ -20,8 +20,8 @@ from trio_infer.api.errors import APIError
 from trio_infer.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from trio_infer.api.structured import after_thinking, check_grammar, extension_grammar, response_format_grammar
 from trio_infer.api.tools import HERMES, ToolPlan, conversation, plan_tools, template_style
-from trio_infer.engine.params import SamplingParams
 from trio_infer.runtime.detokenizer import encoder
+from trio_infer.wire import SamplingParams
 
 
 @dataclass(frozen=True)

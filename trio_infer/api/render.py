@@ -25,8 +25,8 @@ from trio_infer.api.events import (
 from trio_infer.api.plans import Plan
 
 if TYPE_CHECKING:
-    from trio_infer.engine.sampler import TokenLogprob
     from trio_infer.runtime.text_stream import ChoiceText
+    from trio_infer.wire import TokenLogprob
 
 # JSON has no -inf; OpenAI reports "practically impossible" as this.
 _MIN_LOGPROB = -9999.0

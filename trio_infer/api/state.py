@@ -15,8 +15,8 @@ from trio_infer.api.plans import ModelLimits
 from trio_infer.api.render import TokenText
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import AsyncEngine
-from trio_infer.runtime.protocol import Loading
 from trio_infer.settings import Settings, Wiring
+from trio_infer.wire import Loading
 
 log = logging.getLogger(__name__)
 

@@ -97,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
 
     from trio_infer.engine.engine import Engine
     from trio_infer.engine.grammar import Grammars, TokenMasks
-    from trio_infer.engine.params import SamplingParams
+    from trio_infer.wire import SamplingParams
     from trio_infer.models.loader import load_model, load_tokenizer
 
     args.ignore_eos, args.page_size, args.max_running = True, None, args.num_prompts

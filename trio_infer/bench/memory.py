@@ -51,7 +51,7 @@ def run_ours(path: str, context: int, threads: int, kv_cache_dtype: str) -> dict
     import torch
 
     from trio_infer.engine.kv_cache import KVCache, resolve_kv_dtype
-    from trio_infer.engine.params import SamplingParams
+    from trio_infer.wire import SamplingParams
     from trio_infer.models.gguf_loader import GGUFCheckpoint
     from trio_infer.runtime.loading import build_engine
     from trio_infer.settings import Settings

@@ -277,7 +277,7 @@ def kv_bytes_per_token(info: Any) -> int:
 
 
 def _params(req: BenchRequest, ignore_eos: bool) -> Any:
-    from trio_infer.engine.params import SamplingParams
+    from trio_infer.wire import SamplingParams
 
     return SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=ignore_eos)
 

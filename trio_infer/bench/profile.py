@@ -120,7 +120,7 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
         torch_dtype,
     )
     from trio_infer.bench.workload import BenchRequest
-    from trio_infer.engine.params import SamplingParams
+    from trio_infer.wire import SamplingParams
 
     batch, ctx, steps = args.profile_batch, args.profile_context, args.profile_steps
     warm_steps = 3

@@ -31,48 +31,16 @@ from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.grammar import Grammars, TokenMasks
 from trio_infer.engine.kv_cache import KVCache, PagePool, resolve_kv_dtype
 from trio_infer.engine.model_runner import ModelRunner, PromptRows
-from trio_infer.engine.params import SamplingParams
 from trio_infer.engine.prefix_cache import PrefixCache
-from trio_infer.engine.sampler import SampleResult, TokenLogprob
+from trio_infer.engine.sampler import SampleResult
 from trio_infer.engine.scheduler import Schedule, Scheduler
 from trio_infer.engine.sequence import Sequence, Status
 from trio_infer.models.base import CausalLM
+from trio_infer.wire import EngineStatistics, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineConfig", "EngineStatistics", "RequestOutput", "StepPlan"]
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request: at most one new token, maybe a finish.
-
-    A request's first output carries its prompt logprobs when it asked for them (entry 0, the
-    first prompt token's, is None). A request with ``max_tokens == 0`` has exactly one output,
-    with no token, once its prompt is prefilled.
-    """
-
-    uid: Hashable
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
-    finish_reason: str | None  # "stop" | "length" | None while running
-    stop_token_id: int | None  # the EOS/stop token that ended it (it is in token_ids)
-    num_prompt_tokens: int
-    num_output_tokens: int
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-
-@dataclass(frozen=True)
-class EngineStatistics:
-    """The engine's gauges and counters, for whoever reports them (see :meth:`Engine.statistics`)."""
-
-    running: int  # sequences admitted (holding KV pages)
-    waiting: int  # sequences queued or preempted
-    pages_used: int
-    pages_cached: int  # held by the prefix cache (some may be in use by running requests too)
-    pages_total: int
-    prefix_queries: int  # prompt tokens looked up in the prefix cache, since start
-    prefix_hits: int  # of which served from it
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Constrained decoding in the engine: per-sequence grammar state and the step's token masks.
 
 The grammar engine is llguidance (docs/structured-output.md says why). A constrained sequence
-carries a *grammar source* in its :class:`~trio_infer.engine.params.SamplingParams` (the JSON
+carries a *grammar source* in its :class:`~trio_infer.wire.SamplingParams` (the JSON
 text of an llguidance grammar, built and validated by the front end); the engine compiles it
 into an ``LLMatcher`` when the request is added and keeps the matcher on the
 :class:`~trio_infer.engine.sequence.Sequence`, so it lives exactly as long as the sequence:

@@ -26,13 +26,7 @@ import torch
 
 from trio_infer.engine.grammar import TokenMasks
 from trio_infer.engine.sequence import Sequence
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # the most likely alternatives, best first
+from trio_infer.wire import TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any, Hashable
 
 import torch
 
-from trio_infer.engine.params import SamplingParams
+from trio_infer.wire import SamplingParams
 
 if TYPE_CHECKING:
-    from trio_infer.engine.sampler import TokenLogprob
+    from trio_infer.wire import TokenLogprob
 
 
 class Status(enum.Enum):

@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from kernels.cpu import PackedWeight
+from trio_infer.models.paths import GGUFError, find_gguf  # noqa: F401 (re-exported)
 
 # GGUF ``general.architecture`` -> the Hugging Face architecture our model implements.
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -72,31 +73,6 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 # llama.cpp stores Llama 3's rotary frequency factors as a tensor, not as config metadata.
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
-
-
-class GGUFError(ValueError):
-    """A GGUF file that cannot be served: unreadable, or a model or tensor type not supported."""
-
-
-def find_gguf(path: str | Path) -> Path | None:
-    """The GGUF file ``path`` stands for, or None if it is not a GGUF checkpoint.
-
-    A ``.gguf`` file is itself; a folder without ``config.json`` that holds exactly one ``.gguf``
-    is that file (several are an error: which one is meant is not ours to guess). A Hugging Face
-    folder (with ``config.json``) is never taken for a GGUF one, even if a ``.gguf`` lies in it.
-    """
-    path = Path(path)
-    if path.is_file():
-        return path if path.suffix.lower() == ".gguf" else None
-    if not path.is_dir() or (path / "config.json").is_file():
-        return None
-    files = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
-    if len(files) > 1:
-        raise GGUFError(
-            f"{path} holds {len(files)} GGUF files ({', '.join(p.name for p in files)}); "
-            f"pass the path of the one to serve"
-        )
-    return files[0] if files else None
 
 
 def gguf_tensor_name(name: str) -> str:

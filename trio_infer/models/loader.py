@@ -23,12 +23,11 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from trio_infer.models.base import CausalLM, ModelInfo
 from trio_infer.models.default_model import (
-    DEFAULT_MODEL_NAME,
     KNOWN_GGUF_NAMES,
-    require_default_model,
 )
-from trio_infer.models.embedded import SERVED_NAME_FILE, TINY_MODEL_NAME, ensure_tiny_model
-from trio_infer.models.gguf_loader import GGUFCheckpoint, find_gguf, load_gguf_tokenizer
+from trio_infer.models.embedded import SERVED_NAME_FILE
+from trio_infer.models.gguf_loader import GGUFCheckpoint, load_gguf_tokenizer
+from trio_infer.models.paths import find_gguf, resolve_model_path  # noqa: F401 (re-exported)
 from trio_infer.models.llama import (
     SUPPORTED_ARCHITECTURES,
     LlamaForCausalLM,
@@ -37,40 +36,6 @@ from trio_infer.models.llama import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def resolve_model_path(name_or_path: str | None, cache_dir: Path) -> Path:
-    """Turn the ``--model`` setting into a checkpoint folder or GGUF file.
-
-    ``None`` (or ``smollm2-135m-instruct``) -> the default model's GGUF file in
-    ``cache_dir/models`` (fetched by ``make venv``; a clear error if absent); ``trio-infer-tiny``
-    -> the tiny random model, built into ``cache_dir`` on first use; a ``.gguf`` file -> itself; a
-    folder without ``config.json`` holding exactly one ``.gguf`` -> that file; any other existing
-    folder -> itself; anything else is taken as a hub id and looked up in the local Hugging Face
-    cache only.
-    """
-    if name_or_path is None or name_or_path == DEFAULT_MODEL_NAME:
-        return require_default_model(cache_dir)
-    path = Path(name_or_path).expanduser()
-    if path.exists():
-        gguf_file = find_gguf(path)
-        if gguf_file is not None:
-            return gguf_file
-        if path.is_dir():
-            return path
-        raise ValueError(f"{path} is neither a checkpoint folder nor a .gguf file")
-    if name_or_path == TINY_MODEL_NAME:
-        return ensure_tiny_model(cache_dir)
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(name_or_path, local_files_only=True))
-    except Exception as exc:  # not cached, or not even a valid repo id
-        raise FileNotFoundError(
-            f"model {name_or_path!r} is neither a folder nor a hub id in the local Hugging Face "
-            f"cache. This server never downloads: fetch it first (e.g. `hf download "
-            f"{name_or_path}`) or pass the path of a checkpoint folder."
-        ) from exc
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

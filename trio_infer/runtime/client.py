@@ -1,26 +1,28 @@
 """The front end's engine: per-request sessions over a batching worker.
 
-:class:`AsyncEngine` is what the server and library programs use. It owns one task
-(:meth:`AsyncEngine.run`, in the app's nursery) that starts the worker (a child process, see
-``transport.py``), reads its frames and writes the front end's, and restarts it if it dies.
-Everything else is synchronous bookkeeping on the event loop.
+:class:`AsyncEngine` is what the server and library programs use. It admits requests, opens a
+:class:`~trio_infer.runtime.session.Session` for each (``runtime/session.py``: its uids, channel,
+credits, pause clock), and owns one task (:meth:`AsyncEngine.run`, in the app's nursery) that
+keeps the worker through a :class:`~trio_infer.runtime.worker_link.WorkerLink` (spawn, handshake,
+restarts) and, while it is up, runs the two loops: frames out (what the
+:class:`~trio_infer.runtime.router.Router` queued) and frames in (to the sessions). Everything
+else is synchronous bookkeeping on the event loop.
 
-A request lives inside :meth:`AsyncEngine.generate`, an async context manager: entering registers
-a *session* (its uids, a bounded channel) and queues the sequences for the worker; leaving, for
-whatever reason (finish, ``break``, client disconnect, cancellation, an exception, shutdown),
-aborts what is unfinished and drops the session, synchronously, so it runs even under
-cancellation. There is no per-uid structure that outlives its request.
+A request lives inside :meth:`AsyncEngine.generate`, an async context manager: entering opens the
+session and queues its sequences for the worker; leaving, for whatever reason (finish, ``break``,
+client disconnect, cancellation, an exception, shutdown), closes it: what is unfinished is aborted
+and the session leaves the router, synchronously, so it runs even under cancellation. There is no
+per-uid structure that outlives its request.
 
-Flow control (see ``protocol.py``): a uid starts with ``channel_capacity`` credits and the worker
+Flow control (see ``router.py``): a uid starts with ``channel_capacity`` credits and the worker
 sends an output only against one, so the session's channel (capacity ``channel_capacity x n``)
-always has room for what arrives: the reader task never waits on a request, and a request holds
-at most that many outputs whatever its client does. The reader returns a credit for every output
-it takes. A uid out of credits is paused in the worker (its KV cache stays); if its reader does
-not take anything for ``stall_timeout_s``, the request is aborted with :class:`RequestStalled`.
+always has room for what arrives: the receive loop never waits on a request, and a request holds
+at most that many outputs whatever its client does. A session out of credits for
+``stall_timeout_s`` is aborted with :class:`RequestStalled`.
 
-Metrics are updated once per worker step (token counter, inter-token latency = the gap between
-steps), once per request (time to first token, queue time, end-to-end) and from the step's
-statistics (gauges), never per token.
+Metrics are updated once per worker step here (token counter, inter-token latency = the gap
+between steps, the gauges from the step's statistics), and once per request by the router, never
+per token.
 """
 
 from __future__ import annotations
@@ -29,13 +31,10 @@ import itertools
 import logging
 import math
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator
 
 import trio
 
-from trio_infer.engine.engine import Engine
-from trio_infer.engine.params import SamplingParams
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.errors import (
     EngineError,
@@ -44,80 +43,27 @@ from trio_infer.runtime.errors import (
     RequestFailed,
     RequestStalled,
 )
-from trio_infer.runtime.protocol import (
-    ClientProtocol,
-    Delivery,
-    Hello,
-    Loading,
-    Output,
-    ProtocolError,
-    Stats,
-    Uid,
-)
-from trio_infer.runtime.transport import (
+from trio_infer.runtime.router import Router, RouterStatistics
+from trio_infer.runtime.session import GenerationStream
+from trio_infer.runtime.transport import open_worker_process, open_worker_socket, open_worker_task
+from trio_infer.runtime.worker_link import (
+    Connect,
     Connection,
-    open_worker_process,
-    open_worker_socket,
-    open_worker_task,
+    MessageStream,
+    OnLoading,
+    RestartPolicy,
+    WorkerLink,
+    WorkerStartError,
 )
 from trio_infer.settings import Settings, Wiring
+from trio_infer.wire import EngineStatistics, Fatal, Hello, ProtocolError, SamplingParams, Step, Uid
+
+if TYPE_CHECKING:
+    from trio_infer.engine.engine import Engine
+
+__all__ = ["AsyncEngine", "GenerationStream", "WorkerStartError", "open_engine"]
 
 log = logging.getLogger(__name__)
-
-Connect = Callable[[], AbstractAsyncContextManager[Connection]]
-# Told of each progress report of a loading worker, then None once it is ready or gone.
-OnLoading = Callable[[Loading | None], None]
-
-
-class WorkerStartError(Exception):
-    """The batching worker could not start (e.g. the model failed to load)."""
-
-
-@dataclass(eq=False)
-class _Session:
-    request_id: int
-    uids: list[Uid]
-    send: trio.MemorySendChannel[Output]
-    arrival: float
-    unfinished: set[Uid] = field(default_factory=set)
-    started: bool = False  # has produced its first output
-    error: EngineError | None = None
-
-
-class GenerationStream:
-    """What a request reads: lists of outputs, everything queued since the last read, so a
-    reader that falls behind gets fewer, larger batches. ``out.uid == (request_id, index)``."""
-
-    def __init__(
-        self, session: _Session, receive: trio.MemoryReceiveChannel[Output], owner: AsyncEngine
-    ) -> None:
-        self._session = session
-        self._receive = receive
-        self._owner = owner
-        self.request_id = session.request_id
-
-    def __aiter__(self) -> GenerationStream:
-        return self
-
-    async def __anext__(self) -> list[Output]:
-        try:
-            outputs = [await self._receive.receive()]
-        except trio.EndOfChannel:
-            if self._session.error is not None:
-                raise self._session.error from None
-            raise StopAsyncIteration from None
-        while True:
-            try:
-                outputs.append(self._receive.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
-        self._owner._taken(self._session, outputs)
-        return outputs
-
-    def finish(self, index: int) -> None:
-        """End choice ``index`` now, as a stop (a stop string matched in the text): its
-        sequence stops costing compute. No-op if it already finished."""
-        self._owner._finish_choice(self._session, self._session.uids[index])
 
 
 class AsyncEngine:
@@ -127,22 +73,16 @@ class AsyncEngine:
     ) -> None:
         self.settings = settings
         self.metrics = metrics or Metrics()
-        self._connect = connect
-        self._restart = restart
-        self._on_loading = on_loading or (lambda loading: None)
+        policy = RestartPolicy(settings.worker_max_restarts, settings.worker_restart_window_s,
+                               settings.worker_restart_delay_s) if restart else None
+        self._link = WorkerLink(connect, policy, on_loading)
         self.healthy = False  # a worker is connected and ready
         self.draining = False
         self.info: Hello | None = None
-        self.stats: Stats | None = None
+        self.stats: EngineStatistics | None = None
         self.connection: Connection | None = None
-        self._protocol = ClientProtocol()
-        self._sessions: dict[int, _Session] = {}
-        self._by_uid: dict[Uid, _Session] = {}
-        self._paused: dict[_Session, float] = {}  # out of credits since; oldest first
-        self._num_waiting = 0  # sequences without a first output yet
+        self._router = Router(self.metrics)
         self._ids = itertools.count(1)  # request k gets id id_offset + k * id_stride
-        self._send_wakeup = trio.Event()
-        self._sessions_changed = trio.Event()
         self._last_step: float | None = None
         self._prefix_seen = (0, 0)
 
@@ -153,11 +93,15 @@ class AsyncEngine:
 
     @property
     def num_sessions(self) -> int:
-        return len(self._sessions)
+        return self._router.num_sessions
 
     def live_uids(self) -> list[Uid]:
         """Uids the front end still tracks (empty when nothing is in flight)."""
-        return sorted(self._by_uid)
+        return self._router.live_uids()
+
+    def statistics(self) -> RouterStatistics:
+        """The front end's per-request state, counted (sessions, live uids, waiting, paused)."""
+        return self._router.statistics()
 
     # -- the request side ---------------------------------------------------------------------
 
@@ -169,7 +113,7 @@ class AsyncEngine:
             raise EngineUnavailable("the engine is not running (starting or restarting); retry shortly")
         if n < 1:
             raise ValueError("at least one choice is needed")
-        if self._num_waiting + n > self.settings.max_waiting:
+        if self._router.num_waiting + n > self.settings.max_waiting:
             raise EngineOverloaded("the waiting queue is full; retry later")
 
     def generate(
@@ -189,256 +133,115 @@ class AsyncEngine:
         self.check_admission(len(prompts) * n)
         assert self.info is not None
         request_id = self.info.id_offset + next(self._ids) * self.info.id_stride
-        credits = self.settings.channel_capacity
-        send, receive = trio.open_memory_channel[Output](credits * len(prompts) * n)
-        uids = [(request_id, i) for i in range(len(prompts) * n)]
-        session = _Session(request_id, uids, send, arrival=trio.current_time(), unfinished=set(uids))
-        try:
-            for j, prompt_ids in enumerate(prompts):
-                for i, p in enumerate(params):
-                    uid = uids[j * n + i]
-                    self._protocol.add(uid, prompt_ids, p, credits)  # may refuse (ValueError)
-                    self._by_uid[uid] = session
-        except BaseException:
-            for uid in uids:
-                if self._by_uid.pop(uid, None) is not None:
-                    self._protocol.abort(uid)
-            raise
-        self._sessions[request_id] = session
-        self._num_waiting += len(uids)
-        self.metrics.sessions_active.set(len(self._sessions))
+        session = self._router.open(request_id, prompts, params, self.settings.channel_capacity)
         self.metrics.prompt_tokens_total.inc(sum(len(p) for p in prompts) * n)
-        self._send_wakeup.set()
         try:
-            with receive:
-                yield GenerationStream(session, receive, self)
+            with session.receive:
+                yield GenerationStream(session)
         finally:
-            self._end_session(session, reason="abort")
-
-    def _end_session(self, session: _Session, reason: str, error: EngineError | None = None) -> None:
-        """Abort what is unfinished and drop every trace of the session. Synchronous, idempotent."""
-        if error is not None and session.error is None:
-            session.error = error
-        for uid in session.unfinished:  # never finished: they end here, counted once
-            self._drop_uid(session, uid, reason)
-            self._protocol.abort(uid)
-        session.unfinished.clear()
-        session.send.close()
-        self._paused.pop(session, None)
-        if self._sessions.pop(session.request_id, None) is not None:
-            self.metrics.sessions_active.set(len(self._sessions))
-            self.metrics.e2e_request_latency.observe(trio.current_time() - session.arrival)
-            self._sessions_changed.set()
-            self._sessions_changed = trio.Event()
-        self._send_wakeup.set()
-
-    def _drop_uid(self, session: _Session, uid: Uid, reason: str) -> None:
-        self.metrics.requests_total.labels(finish_reason=reason).inc()
-        del self._by_uid[uid]
-        if not session.started:
-            self._num_waiting -= 1
-
-    def _finish_choice(self, session: _Session, uid: Uid) -> None:
-        if uid not in session.unfinished:
-            return
-        self._drop_uid(session, uid, "stop")
-        self._protocol.abort(uid)
-        session.unfinished.discard(uid)
-        if not session.unfinished:
-            session.send.close()
-        self._unpause_if_ready(session)  # the choice that was out of credits may be this one
-        self._send_wakeup.set()
-
-    def _unpause_if_ready(self, session: _Session) -> None:
-        if session in self._paused and all(self._protocol.credits(u) for u in session.unfinished):
-            del self._paused[session]
-
-    def _taken(self, session: _Session, outputs: list[Output]) -> None:
-        """The reader took ``outputs``: return their credits."""
-        for out in outputs:
-            if out.finish_reason is None:
-                self._protocol.give_credit(out.uid)
-        self._unpause_if_ready(session)
-        self._send_wakeup.set()
+            session.close()
 
     def begin_drain(self) -> None:
         self.draining = True
 
     async def wait_sessions_done(self) -> None:
         """Return once no request is live (for a graceful drain)."""
-        while self._sessions:
-            await self._sessions_changed.wait()
+        await self._router.wait_closed()
 
     def abort_all(self, error: EngineError) -> None:
-        for session in list(self._sessions.values()):
-            self._end_session(session, reason="abort", error=error)
+        self._router.close_all(error)
 
     # -- the task that talks to the worker ----------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start the worker, serve it, restart it when it dies. Never lets an exception escape
-        into the app's nursery (a dead task there would leave the server up but deaf): it fails
-        the live requests, answers 503 meanwhile, and gives up after ``worker_max_restarts``
-        restarts in a row that did not stay up ``worker_restart_window_s``."""
-        started = False
-        restarts = 0
+        """Start the worker, serve it, restart it when it dies (``WorkerLink``): meanwhile the
+        live requests fail and new ones get 503; after ``worker_max_restarts`` restarts in a row
+        that did not stay up ``worker_restart_window_s`` it gives up (503 from then on). Only a
+        worker's death is survived: a bug here propagates into the app's nursery."""
         try:
-            while True:
-                up_since: float | None = None
-                try:
-                    async with self._connect() as connection:
-                        await self._handshake(connection)
-                        up_since = trio.current_time()
-                        if not started:
-                            started = True
-                            task_status.started()
-                        await self._serve(connection)
-                        log.error("the batching worker exited; failing its requests")
-                except WorkerStartError:
-                    if not started:
-                        raise
-                    log.error("the batching worker failed to start again")
-                except Exception:
-                    if not started:
-                        raise
-                    log.exception("the connection to the batching worker failed")
-                finally:
-                    self._on_loading(None)
-                    self.healthy = False
-                    self.connection = None
-                    self._forget_worker(EngineUnavailable("the batching worker stopped; retry shortly"))
-                if not self._restart:
-                    return
-                if up_since is not None and trio.current_time() - up_since >= self.settings.worker_restart_window_s:
-                    restarts = 0
-                restarts += 1
-                if restarts > self.settings.worker_max_restarts:
-                    log.error("the batching worker died %d times in a row; giving up (503 from now on)",
-                              restarts)
-                    return
-                log.warning("restarting the batching worker (%d of at most %d)", restarts,
-                            self.settings.worker_max_restarts)
-                await trio.sleep(self.settings.worker_restart_delay_s)
+            await self._link.run(self._serve, self._worker_down, task_status=task_status)
         finally:
             self.healthy = False
 
-    async def _handshake(self, connection: Connection) -> None:
-        while True:
-            data = await connection.receive_some()
-            if not data:
-                raise WorkerStartError("the batching worker exited before it was ready")
-            delivery = self._protocol.receive_data(data)
-            if delivery.fatal is not None:
-                raise WorkerStartError(delivery.fatal.message)
-            if delivery.loading is not None:
-                self._on_loading(delivery.loading)
-            if delivery.hello is not None:
-                self._on_loading(None)
-                self.info = delivery.hello
-                self.metrics.kv_pages_total.set(delivery.hello.num_pages)
-                self.connection = connection
-                self.healthy = True
-                hello = delivery.hello
-                log.info("batching worker ready: %s, context %d tokens, %d KV pages (%s), %s",
-                         hello.name, hello.max_model_len, hello.num_pages, hello.kv_cache_dtype,
-                         hello.kernels)
-                if hello.kernels_problem:
-                    log.warning("slow path: %s", hello.kernels_problem)
-                return
-
-    async def _serve(self, connection: Connection) -> None:
+    async def _serve(self, stream: MessageStream, hello: Hello) -> None:
+        self.info = hello
+        self.metrics.kv_pages_total.set(hello.num_pages)
+        self.connection = stream.connection
+        self.healthy = True
+        log.info("batching worker ready: %s, context %d tokens, %d KV pages (%s), %s",
+                 hello.name, hello.max_model_len, hello.num_pages, hello.kv_cache_dtype,
+                 hello.kernels)
+        if hello.kernels_problem:
+            log.warning("slow path: %s", hello.kernels_problem)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._send_loop, connection)
-            await self._receive_loop(connection)
+            nursery.start_soon(self._send_loop, stream.connection)
+            await self._receive_loop(stream)
             nursery.cancel_scope.cancel()
 
-    async def _send_loop(self, connection: Connection) -> None:
-        while True:
-            await self._send_wakeup.wait()
-            self._send_wakeup = trio.Event()
-            data = self._protocol.data_to_send()
-            if data:
-                try:
-                    await connection.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    return  # the worker is gone; the receive loop sees EOF
-
-    async def _receive_loop(self, connection: Connection) -> None:
-        while True:
-            deadline = math.inf
-            if self._paused:
-                deadline = next(iter(self._paused.values())) + self.settings.stall_timeout_s
-            with trio.move_on_at(deadline):
-                try:
-                    data = await connection.receive_some()
-                except trio.BrokenResourceError:
-                    data = b""
-                if not data:
-                    return
-                try:
-                    delivery = self._protocol.receive_data(data)
-                except ProtocolError:
-                    log.exception("the batching worker broke the protocol; restarting it")
-                    return
-                self._handle(delivery)
-                continue
-            self._abort_stalled()
-
-    def _handle(self, delivery: Delivery) -> None:
-        now = trio.current_time()
-        m = self.metrics
-        outputs = delivery.outputs
-        if outputs:
-            m.generation_tokens_total.inc(sum(len(out.token_ids) for out in outputs))
-            if self._last_step is not None:
-                m.inter_token_latency.observe(now - self._last_step)
-            self._last_step = now
-        by_uid, protocol = self._by_uid, self._protocol
-        for out in outputs:
-            session = by_uid[out.uid]
-            if not session.started:
-                session.started = True
-                self._num_waiting -= len(session.unfinished)
-                m.time_to_first_token.observe(now - session.arrival)
-            session.send.send_nowait(out)  # room guaranteed: one slot per credit
-            if out.finish_reason is not None:
-                m.requests_total.labels(finish_reason=out.finish_reason).inc()
-                del by_uid[out.uid]
-                session.unfinished.discard(out.uid)
-                if not session.unfinished:
-                    session.send.close()  # the reader sees the end after the last output
-                self._unpause_if_ready(session)
-            elif session not in self._paused and not protocol.credits(out.uid):
-                self._paused[session] = now
-        for failed in delivery.failed:
-            session = by_uid.get(failed.uid)
-            if session is not None:
-                session.unfinished.discard(failed.uid)
-                self._drop_uid(session, failed.uid, "error")
-                self._end_session(session, reason="error", error=RequestFailed(failed.message))
-        if delivery.stats is not None:
-            self._update_gauges(delivery.stats)
-
-    def _abort_stalled(self) -> None:
-        now, timeout = trio.current_time(), self.settings.stall_timeout_s
-        while self._paused:
-            session, since = next(iter(self._paused.items()))
-            if since + timeout > now:  # the deadline exactly as the receive loop computed it
-                return
-            self._end_session(session, reason="abort", error=RequestStalled(
-                f"the client did not read its output for {self.settings.stall_timeout_s:g} s"))
-
-    def _forget_worker(self, error: EngineError) -> None:
-        """The worker is gone: every live request ends with ``error``, and its uids with it."""
-        self.abort_all(error)
-        self._protocol.reset()
+    def _worker_down(self) -> None:
+        """The worker is gone: every live request ends with an error, and its uids with it."""
+        self.healthy = False
+        self.connection = None
+        self._router.reset(EngineUnavailable("the batching worker stopped; retry shortly"))
         self._last_step = None
         self._prefix_seen = (0, 0)
         m = self.metrics
         for gauge in (m.requests_running, m.requests_waiting, m.kv_pages_used, m.kv_pages_cached):
             gauge.set(0)
 
-    def _update_gauges(self, s: Stats) -> None:
+    async def _send_loop(self, connection: Connection) -> None:
+        router = self._router
+        while True:
+            await router.has_data.wait()
+            data = router.data_to_send()
+            if data:
+                try:
+                    await connection.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return  # the worker is gone; the receive loop sees EOF
+
+    async def _receive_loop(self, stream: MessageStream) -> None:
+        router, timeout = self._router, self.settings.stall_timeout_s
+        while True:
+            oldest = router.oldest_paused()
+            deadline = math.inf if oldest is None else oldest.paused_since + timeout  # type: ignore[operator]
+            with trio.move_on_at(deadline):
+                messages = await stream.receive()
+                if not messages:
+                    return  # EOF: the worker is gone
+                for message in messages:
+                    if type(message) is Step:
+                        self._step(message)
+                    elif type(message) is Fatal:
+                        log.error("the batching worker failed: %s", message.message)
+                        return
+                    else:
+                        raise ProtocolError(f"{type(message).__name__} from a running worker")
+                continue
+            self._abort_stalled()
+
+    def _step(self, step: Step) -> None:
+        outputs = step.outputs
+        if outputs:
+            now = trio.current_time()
+            m = self.metrics
+            m.generation_tokens_total.inc(sum(len(out.token_ids) for out in outputs))
+            if self._last_step is not None:
+                m.inter_token_latency.observe(now - self._last_step)
+            self._last_step = now
+        self._router.deliver(outputs, step.failed, RequestFailed)
+        self._update_gauges(step.stats)
+
+    def _abort_stalled(self) -> None:
+        now, timeout = trio.current_time(), self.settings.stall_timeout_s
+        while (session := self._router.oldest_paused()) is not None:
+            assert session.paused_since is not None
+            if session.paused_since + timeout > now:  # the deadline exactly as the loop computed it
+                return
+            session.close(RequestStalled(
+                f"the client did not read its output for {timeout:g} s"))
+
+    def _update_gauges(self, s: EngineStatistics) -> None:
         self.stats = s
         m = self.metrics
         m.requests_running.set(s.running)

@@ -1,4 +1,5 @@
-"""Turn :class:`~trio_infer.settings.Settings` into a ready engine and its tokenizer."""
+"""Turn :class:`~trio_infer.settings.Settings` into a ready engine (in the worker process: this
+module imports torch; the tokenizer alone is ``runtime/tokenizer.py``)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from trio_infer.engine.engine import Engine
+from trio_infer.runtime.tokenizer import FAKE_MODEL, build_tokenizer
 from trio_infer.settings import Settings
-
-FAKE_MODEL = "fake"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,30 +31,6 @@ def resolve_device(settings: Settings) -> str:
     if settings.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return settings.device
-
-
-def build_tokenizer(settings: Settings) -> Any:
-    """The tokenizer of the model the settings name (the front end needs it; the worker for the
-    grammars of constrained requests, and for the fake model's vocabulary). A GGUF file's is
-    converted once and then read from ``cache_dir/tokenizers`` (runtime/tokenizer_cache.py)."""
-    from trio_infer.models.loader import load_tokenizer
-
-    if settings.model == FAKE_MODEL:
-        from trio_infer.models.synthetic import build_tokenizer as build_fake_tokenizer
-
-        tok_dir = settings.cache_dir / "fake-tokenizer"
-        if not (tok_dir / "tokenizer.json").exists():
-            build_fake_tokenizer(tok_dir)
-        return load_tokenizer(tok_dir)
-    from trio_infer.models.gguf_loader import find_gguf
-    from trio_infer.models.loader import resolve_model_path
-    from trio_infer.runtime.tokenizer_cache import load_gguf_tokenizer_cached
-
-    path = resolve_model_path(settings.model, settings.cache_dir)
-    gguf_file = find_gguf(path)
-    if gguf_file is not None:
-        return load_gguf_tokenizer_cached(gguf_file, settings.cache_dir)
-    return load_tokenizer(path)
 
 
 def build_engine(settings: Settings, progress: Progress | None = None) -> Engine:

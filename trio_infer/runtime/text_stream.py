@@ -24,12 +24,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol, Sequence
 
-from trio_infer.engine.params import SamplingParams
-from trio_infer.engine.sampler import TokenLogprob
 from trio_infer.runtime.client import AsyncEngine, GenerationStream
 from trio_infer.runtime.detokenizer import IncrementalDetokenizer
-from trio_infer.runtime.protocol import Output
 from trio_infer.runtime.stop_strings import StopStringMatcher
+from trio_infer.wire import RequestOutput, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -65,7 +63,7 @@ class ChoiceText:
     def text(self) -> str:
         return "".join(self.text_parts)
 
-    def consume(self, outputs: Sequence[Output]) -> ChoiceDelta | None:
+    def consume(self, outputs: Sequence[RequestOutput]) -> ChoiceDelta | None:
         """Fold this read's outputs for the choice into a delta; None once it has finished (a
         stop string may end a choice before the engine does: later outputs are dropped)."""
         if self.finished:
@@ -188,7 +186,7 @@ class TextStream:
             if len(choices) == 1:  # the usual case: no grouping
                 groups: Any = ((choices[0], outputs),)
             else:
-                by_index: dict[int, list[Output]] = {}
+                by_index: dict[int, list[RequestOutput]] = {}
                 for out in outputs:
                     by_index.setdefault(out.uid[1], []).append(out)
                 groups = ((choices[i], outs) for i, outs in by_index.items())

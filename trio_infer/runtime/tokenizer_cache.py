@@ -29,8 +29,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from trio_infer.models.gguf_loader import load_gguf_tokenizer
-
 log = logging.getLogger(__name__)
 
 
@@ -47,7 +45,7 @@ def cache_key(gguf_file: Path) -> str:
 def load_gguf_tokenizer_cached(gguf_file: Path, cache_dir: Path) -> Any:
     """The tokenizer of ``gguf_file``, from ``cache_dir`` (its ``tokenizers`` folder) when it was
     converted before, else converted now and stored there."""
-    from transformers import AutoTokenizer
+    from trio_infer.runtime.tokenizer import load_saved_tokenizer
 
     entry = cache_dir / "tokenizers" / cache_key(gguf_file)
     if not entry.is_dir():
@@ -58,7 +56,15 @@ def load_gguf_tokenizer_cached(gguf_file: Path, cache_dir: Path) -> Any:
         except OSError as exc:  # a read-only cache: serve anyway, convert again next time
             log.warning("could not cache the tokenizer in %s: %s", entry, exc)
             return tokenizer
-    return AutoTokenizer.from_pretrained(str(entry))
+    return load_saved_tokenizer(entry)
+
+
+def load_gguf_tokenizer(gguf_file: Path) -> Any:
+    """Convert the file's tokenizer (with the model loader's code, which imports torch: paid once
+    per file, by whichever process converts it first)."""
+    from trio_infer.models.gguf_loader import load_gguf_tokenizer as convert
+
+    return convert(gguf_file)
 
 
 def _store(tokenizer: Any, entry: Path) -> None:

@@ -1,11 +1,14 @@
-"""How the front end reaches a batching worker: a child process over a socket pair, or (for tests
-and programs that hold an engine object) a trio task over memory channels. Both carry the same
-bytes, so everything above them is the same code.
+"""How a batching worker is reached: a child process over a socket pair, a shared worker's Unix
+socket, or (for tests and programs that hold an engine object) a trio task over memory channels.
+All carry the same bytes, so everything above them is the same code.
 
-A connection is a :class:`trio.abc.Stream`-like object: ``send_all(bytes)``, ``receive_some()``
-(``b""`` once the worker is gone). Each ``open_*`` function is an async context manager that
-starts the worker and, on exit for any reason, stops it and waits for it: a worker process is
-always reaped, never left behind.
+Each ``open_*`` function is an async context manager giving a
+:class:`~trio_infer.runtime.worker_link.Connection`: it starts (or reaches) the worker and, on
+exit for any reason, stops it and waits for it: a worker process is always reaped, never left
+behind. :class:`~trio_infer.runtime.worker_link.WorkerLink` does the rest (handshake, restarts).
+
+Nothing here imports the engine at module level: a front end that spawns a worker process never
+loads torch; only :func:`open_worker_task` (the caller already holds an engine) reaches for it.
 """
 
 from __future__ import annotations
@@ -15,13 +18,16 @@ import math
 import socket
 import sys
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Protocol
+from typing import TYPE_CHECKING, AsyncIterator
 
 import trio
 
-from trio_infer.engine.engine import Engine
-from trio_infer.runtime.worker import WorkerCore
 from trio_infer.settings import Settings, worker_environment
+from trio_infer.wire import Start, encode
+
+if TYPE_CHECKING:
+    from trio_infer.engine.engine import Engine
+    from trio_infer.runtime.worker import WorkerCore
 
 log = logging.getLogger(__name__)
 
@@ -30,25 +36,31 @@ _EXIT_WAIT_S = 5.0
 _SOCKET_BUFFER = 4 * 2**20
 
 
-class Connection(Protocol):
-    async def send_all(self, data: bytes) -> None: ...
-
-    async def receive_some(self) -> bytes: ...
+def start_message(settings: Settings, log_level: str | None = None) -> Start:
+    """What a new worker is told first: the settings (less the API key) and the log level
+    (default: this process's, so ``serve --log-level`` reaches the worker)."""
+    if log_level is None:
+        log_level = logging.getLevelName(logging.getLogger("trio_infer").getEffectiveLevel())
+    return Start(settings.model_dump_json(exclude={"api_key"}), str(log_level).upper())
 
 
 @asynccontextmanager
-async def open_worker_process(settings: Settings) -> AsyncIterator[Connection]:
-    """Start ``python -m trio_infer.runtime.worker`` on one end of a socket pair."""
+async def open_worker_process(
+    settings: Settings, *, log_level: str | None = None, listen: str | None = None, ports: int = 1,
+) -> AsyncIterator[trio.SocketStream]:
+    """Start ``python -m trio_infer.runtime.worker`` on one end of a socket pair and send it
+    :class:`~trio_infer.wire.Start`. With ``listen`` it is a shared worker that serves ``ports``
+    front ends connecting to that Unix socket, and the pair is its control pipe."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     for s in (ours, theirs):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+    argv = [sys.executable, "-m", "trio_infer.runtime.worker", "--fd", str(theirs.fileno())]
+    if listen is not None:
+        argv += ["--listen", listen, "--ports", str(ports)]
     try:
         process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "trio_infer.runtime.worker", "--fd", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
-            env=worker_environment(settings),
-        )
+            argv, pass_fds=(theirs.fileno(),), env=worker_environment(settings))
     except BaseException:
         ours.close()
         raise
@@ -57,8 +69,7 @@ async def open_worker_process(settings: Settings) -> AsyncIterator[Connection]:
     stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
     log.info("batching worker started (pid %d)", process.pid)
     try:
-        config = settings.model_dump_json().encode()
-        await stream.send_all(len(config).to_bytes(4, "big") + config)
+        await stream.send_all(encode([start_message(settings, log_level)]))
         yield stream
     finally:
         with trio.CancelScope(shield=True):
@@ -73,7 +84,7 @@ async def open_worker_process(settings: Settings) -> AsyncIterator[Connection]:
 
 
 @asynccontextmanager
-async def open_worker_socket(path: str, timeout_s: float) -> AsyncIterator[Connection]:
+async def open_worker_socket(path: str, timeout_s: float) -> AsyncIterator[trio.SocketStream]:
     """Connect to a shared worker listening on the Unix socket ``path`` (``serve --api-workers``),
     waiting up to ``timeout_s`` for it to appear (it may be loading the model, or restarting)."""
     with trio.fail_after(timeout_s):
@@ -124,47 +135,23 @@ class MemoryConnection:
 async def open_worker_task(engine: Engine, *, in_thread: bool) -> AsyncIterator[MemoryConnection]:
     """Run ``engine`` behind the protocol in a task of this process: each step inline on the event
     loop (instant models: exact under a mock clock) or in a worker thread (``in_thread``)."""
+    from trio_infer.runtime.worker import WorkerCore, serve_task
+
     to_worker, inbox = trio.open_memory_channel[bytes](math.inf)
     outbox, from_worker = trio.open_memory_channel[bytes](math.inf)
     core = WorkerCore(engine)
+
+    async def worker() -> None:
+        # As a worker process would: a crash is logged and closes the pipe (serve_task closes its
+        # outbox), and the front end sees a worker death, not an exception of its own.
+        try:
+            await serve_task(core, inbox, outbox, in_thread)
+        except Exception:
+            log.exception("the in-process batching worker crashed")
+
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_run_core, core, inbox, outbox, in_thread)
+        nursery.start_soon(worker)
         try:
             yield MemoryConnection(core, to_worker, from_worker)
         finally:
             nursery.cancel_scope.cancel()
-
-
-async def _run_core(
-    core: WorkerCore,
-    inbox: trio.MemoryReceiveChannel[bytes],
-    outbox: trio.MemorySendChannel[bytes],
-    in_thread: bool,
-) -> None:
-    """:func:`trio_infer.runtime.worker.serve`, as a trio task."""
-    with outbox:
-        outbox.send_nowait(core.hello())
-        while True:
-            while True:
-                try:
-                    core.receive_data(inbox.receive_nowait())
-                except trio.WouldBlock:
-                    break
-                except trio.EndOfChannel:
-                    return
-            plan = core.schedule()
-            if plan is None:
-                frame = core.idle_frame()
-                if frame:
-                    outbox.send_nowait(frame)
-                try:
-                    core.receive_data(await inbox.receive())
-                except trio.EndOfChannel:
-                    return
-                continue
-            if in_thread:
-                frame = await trio.to_thread.run_sync(core.run_step, plan)
-            else:
-                await trio.lowlevel.checkpoint()  # let requests run between steps
-                frame = core.run_step(plan)
-            outbox.send_nowait(frame)

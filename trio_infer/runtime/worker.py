@@ -1,22 +1,28 @@
 """The batching worker: the engine in a process of its own, stepping back to back.
 
-:class:`WorkerCore` is the worker's end of the protocol (:mod:`trio_infer.runtime.protocol`),
-sans-IO: frames in (:meth:`~WorkerCore.receive_data`), a step's frame out
-(:meth:`~WorkerCore.run_step`). It owns the per-uid credits and pauses a sequence in the engine
+:class:`WorkerCore` is the worker's end of the protocol (the messages of :mod:`trio_infer.wire`),
+sans-IO: frames in (:meth:`~WorkerCore.receive_data`), a step's frames out
+(:meth:`~WorkerCore.cycle`). The engine's outputs and statistics are wire structs already: they
+go into the frame as the engine returned them. It owns the per-uid credits and pauses a sequence in the engine
 (``set_ready(False)``) when its credits run out, so it never emits an output without a credit.
 
-:func:`serve` is the process's loop: a plain blocking loop, no event loop and no threads. It
+:func:`serve` is the process's loop: a plain blocking loop, no event loop and no threads (for one
+front end, or for the ``--api-workers`` front ends that connect to a socket; :func:`serve_task` is
+the same loop as a trio task, for an engine object held in-process). It
 applies every message the front end has sent, runs one step, sends that step's frame, and starts
 again; when nothing can run (idle, or every sequence waits for credits) it blocks on the pipe.
 Its cadence is the engine's, whatever the front end is doing. When the pipe closes (the front end
 exited, crashed or was killed) it exits: a worker never outlives its front end. It ignores
 SIGINT and SIGTERM: a Ctrl-C or a signal sent to the process group reaches the front end too,
 which drains and then closes the pipe. While it loads the model it reports its progress
-(:class:`~trio_infer.runtime.protocol.Loading`) and exits at once if the pipe closes (the front
+(:class:`~trio_infer.wire.Loading`) and exits at once if the pipe closes (the front
 end was stopped or died mid-load: nothing is lost, and a load can take minutes).
 
 Run as ``python -m trio_infer.runtime.worker --fd N``: the front end (``runtime/transport.py``)
-starts it with one end of a socket pair as fd N and sends the settings as the first frame.
+starts it with one end of a socket pair as fd N and sends :class:`~trio_infer.wire.Start` (the
+settings and the log level) as the first frame. With ``--listen PATH --ports N`` (a supervisor
+starts it) the pair is its control pipe, where it reports its load and its hello, and front ends
+connect to PATH.
 """
 
 from __future__ import annotations
@@ -33,18 +39,22 @@ import threading
 import time
 from typing import Sequence
 
+import trio
+
 from trio_infer.engine.engine import Engine, StepPlan
-from trio_infer.runtime.protocol import (
+from trio_infer.wire import (
     Abort,
     Add,
     Credit,
+    EngineStatistics,
     Failed,
     Fatal,
     FrameDecoder,
     Hello,
     Loading,
-    Output,
-    Stats,
+    ProtocolError,
+    RequestOutput,
+    Start,
     Step,
     ToWorker,
     Uid,
@@ -78,7 +88,7 @@ class WorkerCore:
         self._port_of: dict[Uid, int] = {}
         self._decoders = {p: FrameDecoder(ToWorker) for p in range(num_ports)}
         self._failed: dict[int, list[Failed]] = {}
-        self._sent_stats: dict[int, Stats] = {}
+        self._sent_stats: dict[int, EngineStatistics] = {}
 
     def hello(self, port: int = 0) -> bytes:
         from kernels.ops import compute_path
@@ -103,6 +113,8 @@ class WorkerCore:
                 self._add(message, port)
             elif kind is Abort:
                 self._end(message.uid)
+            else:
+                raise ProtocolError(f"{kind.__name__} after the worker started")
 
     def _add(self, message: Add, port: int) -> None:
         try:
@@ -151,7 +163,7 @@ class WorkerCore:
 
     def commit(self, plan: StepPlan, result: object) -> dict[int, bytes]:
         credits, port_of = self._credits, self._port_of
-        outputs: dict[int, list[Output]] = {}
+        outputs: dict[int, list[RequestOutput]] = {}
         for out in self.engine.commit(plan, result):  # type: ignore[arg-type]
             if out.finish_reason is None:
                 left = credits[out.uid] - 1
@@ -162,11 +174,7 @@ class WorkerCore:
             else:
                 del credits[out.uid]
                 port = port_of.pop(out.uid)
-            outputs.setdefault(port, []).append(
-                Output(out.uid, out.token_ids, out.logprobs, out.finish_reason,
-                       out.stop_token_id, out.num_prompt_tokens, out.num_output_tokens,
-                       out.prompt_logprobs)
-            )
+            outputs.setdefault(port, []).append(out)  # the engine's own struct goes on the wire
         return self._frames(outputs)
 
     def idle_frame(self) -> bytes:
@@ -182,16 +190,22 @@ class WorkerCore:
                 frames[port] = self._frame(port, [], stats)
         return frames
 
-    def _stats(self) -> Stats:
-        s = self.engine.statistics()
-        return Stats(s.running, s.waiting, s.pages_used, s.pages_cached, s.pages_total,
-                     s.prefix_queries, s.prefix_hits)
+    def cycle(self) -> tuple[dict[int, bytes], bool]:
+        """One turn of a worker's loop: a step if one can run, else what idle front ends have not
+        heard yet. The frames by port, and whether a step ran (if not, the loop may block)."""
+        plan = self.schedule()
+        if plan is None:
+            return self.idle_frames(), False
+        return self.step_frames(plan), True
 
-    def _frames(self, outputs: dict[int, list[Output]]) -> dict[int, bytes]:
+    def _stats(self) -> EngineStatistics:
+        return self.engine.statistics()
+
+    def _frames(self, outputs: dict[int, list[RequestOutput]]) -> dict[int, bytes]:
         stats = self._stats()
         return {port: self._frame(port, outputs.get(port, []), stats) for port in self._decoders}
 
-    def _frame(self, port: int, outputs: list[Output], stats: Stats) -> bytes:
+    def _frame(self, port: int, outputs: list[RequestOutput], stats: EngineStatistics) -> bytes:
         failed = self._failed.pop(port, [])
         self._sent_stats[port] = stats
         return encode([Step(outputs, failed, stats)])
@@ -220,31 +234,23 @@ def _drain(sock: socket.socket, core: WorkerCore, block: bool, port: int = 0) ->
         flags = socket.MSG_DONTWAIT
 
 
-def serve(sock: socket.socket, core: WorkerCore) -> None:
-    """The worker's loop for one front end; returns when it closes the pipe."""
-    sock.sendall(core.hello())
-    while True:
-        plan = core.schedule()
-        if plan is None:
-            frame = core.idle_frame()
-            if frame:
-                sock.sendall(frame)
-            if not _drain(sock, core, block=True):
-                return
-            continue
-        sock.sendall(core.run_step(plan))
-        if not _drain(sock, core, block=False):
-            return
+def serve(core: WorkerCore, control: socket.socket, listener: socket.socket | None = None) -> None:
+    """The worker process's loop; returns when ``control`` (the pipe of whoever spawned it)
+    closes.
 
-
-def serve_shared(control: socket.socket, listener: socket.socket, core: WorkerCore) -> None:
-    """The worker's loop for up to ``core.num_ports`` front ends that connect to ``listener``
-    (``serve --api-workers N``). A front end that leaves loses its sequences; the worker goes on.
-    Returns when ``control`` (the supervisor's pipe) closes."""
+    Without ``listener`` the control pipe is the one front end's (port 0). With one (``serve
+    --api-workers N``), up to ``core.num_ports`` front ends connect to it, each on a port of its
+    own; a front end that leaves loses its sequences and the worker goes on. Each turn is
+    :meth:`WorkerCore.cycle`; the loop blocks on its sockets only when no step could run."""
     selector = selectors.DefaultSelector()
-    selector.register(control, selectors.EVENT_READ, "control")
-    selector.register(listener, selectors.EVENT_READ, "listen")
     ports: dict[int, socket.socket] = {}
+    if listener is None:
+        ports[0] = control
+        selector.register(control, selectors.EVENT_READ, 0)
+    else:
+        selector.register(control, selectors.EVENT_READ, "control")
+        selector.register(listener, selectors.EVENT_READ, "listen")
+    control.sendall(core.hello(0))  # to a supervisor: the model is loaded
 
     def drop(port: int) -> None:
         conn = ports.pop(port)
@@ -260,22 +266,19 @@ def serve_shared(control: socket.socket, listener: socket.socket, core: WorkerCo
                 try:
                     conn.sendall(frame)
                 except OSError:
+                    if conn is control:
+                        raise
                     drop(port)
 
     while True:
-        plan = core.schedule()
-        if plan is None:
-            send(core.idle_frames())
-            events = selector.select(None)
-        else:
-            send(core.step_frames(plan))
-            events = selector.select(0)
-        for key, _ in events:
+        frames, stepped = core.cycle()
+        send(frames)
+        for key, _ in selector.select(0 if stepped else None):
             if key.data == "control":
                 if not control.recv(_CHUNK):
                     return
             elif key.data == "listen":
-                conn, _ = listener.accept()
+                conn, _ = listener.accept()  # type: ignore[union-attr]
                 free = [p for p in range(core.num_ports) if p not in ports]
                 if not free:
                     log.error("a front end connected beyond the %d ports; refused", core.num_ports)
@@ -288,21 +291,64 @@ def serve_shared(control: socket.socket, listener: socket.socket, core: WorkerCo
             elif key.data in ports:
                 conn = ports[key.data]
                 try:
-                    if not _drain(conn, core, block=False, port=key.data):
-                        drop(key.data)
+                    alive = _drain(conn, core, block=False, port=key.data)
                 except OSError:
+                    alive = False
+                if not alive:
+                    if conn is control:
+                        return
                     drop(key.data)
 
 
-def _read_settings(sock: socket.socket):  # type: ignore[no-untyped-def]
-    from trio_infer.settings import Settings
+async def serve_task(
+    core: WorkerCore,
+    inbox: trio.MemoryReceiveChannel[bytes],
+    outbox: trio.MemorySendChannel[bytes],
+    in_thread: bool,
+) -> None:
+    """:func:`serve` for one front end, as a trio task over memory channels (an engine object
+    this process holds: ``transport.open_worker_task``). The step runs inline on the event loop
+    (instant models: exact under a mock clock) or in a worker thread (``in_thread``)."""
+    with outbox:
+        outbox.send_nowait(core.hello())
+        while True:
+            while True:
+                try:
+                    core.receive_data(inbox.receive_nowait())
+                except trio.WouldBlock:
+                    break
+                except trio.EndOfChannel:
+                    return
+            plan = core.schedule()
+            if plan is None:
+                frame = core.idle_frame()
+                if frame:
+                    outbox.send_nowait(frame)
+                try:
+                    core.receive_data(await inbox.receive())
+                except trio.EndOfChannel:
+                    return
+                continue
+            if in_thread:
+                frame = await trio.to_thread.run_sync(core.run_step, plan)
+            else:
+                await trio.lowlevel.checkpoint()  # let requests run between steps
+                frame = core.run_step(plan)
+            outbox.send_nowait(frame)
 
+
+def _read_start(sock: socket.socket) -> Start:
+    """The first frame: :class:`Start`. Exits quietly if the pipe closes first (the front end
+    went away before we started)."""
     header = sock.recv(4, socket.MSG_WAITALL)
     size = int.from_bytes(header, "big") if len(header) == 4 else 0
     body = sock.recv(size, socket.MSG_WAITALL) if size else b""
-    if not body:
-        raise SystemExit(0)  # the front end went away before we started
-    return Settings.model_validate_json(body)
+    if len(body) < size or not body:
+        raise SystemExit(0)
+    messages = FrameDecoder(ToWorker).feed(header + body)
+    if len(messages) != 1 or type(messages[0]) is not Start:
+        raise ProtocolError(f"the first frame must be one Start, not {messages!r:.200}")
+    return messages[0]
 
 
 def _exit_if_the_pipe_closes(sock: socket.socket, loaded: threading.Event) -> None:
@@ -350,12 +396,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The front end owns shutdown: it drains, then closes the pipe, which ends this process.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sock = socket.socket(fileno=args.fd)
+    start = _read_start(sock)
     logging.basicConfig(
-        level=os.environ.get("TRIO_INFER_LOG_LEVEL", "INFO").upper(),
+        level=getattr(logging, start.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s worker %(name)s: %(message)s",
     )
-    sock = socket.socket(fileno=args.fd)
-    settings = _read_settings(sock)
+    from trio_infer.settings import Settings
+
+    settings = Settings.model_validate_json(start.settings)
     loaded = threading.Event()
     _exit_if_the_pipe_closes(sock, loaded)
     try:
@@ -379,14 +428,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.freeze()
     try:
         if args.listen is None:
-            serve(sock, WorkerCore(engine))
+            serve(WorkerCore(engine), sock)
         else:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             if os.path.exists(args.listen):
                 os.unlink(args.listen)  # a previous worker's
             listener.bind(args.listen)
             listener.listen(args.ports)
-            serve_shared(sock, listener, WorkerCore(engine, num_ports=args.ports))
+            serve(WorkerCore(engine, num_ports=args.ports), sock, listener)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the front end is gone
     finally:

@@ -1,0 +1,107 @@
+"""The front end never imports torch (nor transformers' model code): a real server on the default
+model, after startup and a streamed chat request, holds neither in its ``sys.modules``.
+
+The process boundary is a module boundary (``trio_infer/wire.py``): what crosses it is plain
+msgspec structs, and the tokenizer is loaded without ``AutoTokenizer`` (which imports torch). The
+front end's RSS is reported (not asserted: it depends on the allocator and the machine);
+docs/architecture.md gives the measured figure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from trio_infer.models.default_model import default_cache_dir, default_model_file
+
+SMOLLM2 = default_model_file(default_cache_dir())
+
+# Runs ``python -m trio_infer serve ...`` and, at exit, writes what the process imported and its
+# memory to the file named by argv[1].
+_WRAPPER = """
+import atexit, json, re, runpy, sys
+out = sys.argv[1]
+def report():
+    status = open("/proc/self/status").read()
+    with open(out, "w") as f:
+        json.dump({"modules": sorted(sys.modules),
+                   "peak_rss_kb": int(re.search(r"VmHWM:\\s+(\\d+)", status).group(1)),
+                   "rss_kb": int(re.search(r"VmRSS:\\s+(\\d+)", status).group(1))}, f)
+atexit.register(report)
+sys.argv = ["trio_infer"] + sys.argv[2:]
+runpy.run_module("trio_infer", run_name="__main__")
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(not SMOLLM2.exists(), reason=f"{SMOLLM2} is absent (`make venv` fetches it)")
+def test_the_front_end_imports_neither_torch_nor_transformers_models(tmp_path: Path) -> None:
+    from trio_infer.runtime.tokenizer_cache import load_gguf_tokenizer_cached
+
+    # The first start of a machine converts the GGUF tokenizer once (that imports torch); the
+    # claim is about every start after it.
+    load_gguf_tokenizer_cached(SMOLLM2, default_cache_dir())
+    report = tmp_path / "front-end.json"
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRAPPER, str(report), "serve", "--port", str(port),
+         "--torch-threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 300  # a real process on the other side: real time
+        while proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
+            "model": "smollm2-135m-instruct",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 8, "temperature": 0, "stream": True, "logprobs": True, "top_logprobs": 2,
+        }) as response:
+            assert response.status_code == 200
+            body = "".join(response.iter_text())
+        assert body.rstrip().endswith("data: [DONE]") and '"logprobs"' in body
+        serving_rss_kb = _rss_kb(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, output[-3000:]
+    got = json.loads(report.read_text())
+    modules = set(got["modules"])
+    assert "trio_infer.wire" in modules and "trio_infer.runtime.client" in modules
+    assert "torch" not in modules, "the front end imported torch"
+    heavy = sorted(m for m in modules if m.startswith(("transformers.models.", "transformers.modeling",
+                                                       "trio_infer.engine", "trio_infer.models.loader")))
+    assert not heavy, f"the front end imported model code: {heavy[:10]}"
+    print(f"front end RSS: {serving_rss_kb / 1024:.0f} MB while serving, "
+          f"{got['rss_kb'] / 1024:.0f} MB at exit, peak {got['peak_rss_kb'] / 1024:.0f} MB")

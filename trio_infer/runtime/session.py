@@ -1,0 +1,167 @@
+"""One request on the front end: its uids, its bounded channel, its credits and its pause clock.
+
+A :class:`Session` is created when a request enters ``AsyncEngine.generate`` and closed when it
+leaves, for whatever reason (finish, ``break``, client disconnect, cancellation, an exception,
+shutdown, the worker's death). Everything the front end knows about a request's sequences is here,
+and only here:
+
+* which choices are still *live* (the keys of its credit table: a uid is live exactly while it has
+  an entry; nothing else in the front end tracks it);
+* how many outputs the worker may still send for each (its credits, see ``runtime/router.py``);
+* the channel its reader takes outputs from, with one slot per credit, so a delivery never waits;
+* since when it has been out of credits (its reader stopped reading), for the stall timeout.
+
+The session talks to the :class:`~trio_infer.runtime.router.Router` that made it through its
+public methods only (queue an abort or a credit, say it paused or ended); the reader talks to the
+session through :class:`GenerationStream`. All methods are synchronous: closing runs even under
+cancellation, and nothing waits.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import trio
+
+from trio_infer.runtime.errors import EngineError
+from trio_infer.wire import ProtocolError, RequestOutput, Uid
+
+if TYPE_CHECKING:
+    from trio_infer.runtime.router import Router
+
+
+class Session:
+    def __init__(self, router: Router, request_id: int, num_choices: int, credits: int,
+                 arrival: float) -> None:
+        self.request_id = request_id
+        self.uids: list[Uid] = [(request_id, i) for i in range(num_choices)]
+        self.arrival = arrival
+        self.started = False  # has produced its first output
+        self.error: EngineError | None = None  # what the reader gets after the last output
+        self.paused_since: float | None = None  # a live choice has no credit left since then
+        self._router = router
+        self._credits: dict[int, int] = dict.fromkeys(range(num_choices), credits)
+        self._send, self.receive = trio.open_memory_channel[RequestOutput](credits * num_choices)
+
+    # -- what it knows ------------------------------------------------------------------------
+
+    def is_live(self, index: int) -> bool:
+        return index in self._credits
+
+    def credits(self, index: int) -> int:
+        """What the worker may still send for choice ``index`` (0 once it ended)."""
+        return self._credits.get(index, 0)
+
+    @property
+    def live_uids(self) -> list[Uid]:
+        return [(self.request_id, i) for i in self._credits]
+
+    @property
+    def num_live(self) -> int:
+        return len(self._credits)
+
+    # -- the worker's side (called by the router) -----------------------------------------------
+
+    def deliver(self, out: RequestOutput, now: float) -> None:
+        """An output of a live choice arrived: spend its credit, hand it to the reader. The
+        channel has a slot per credit, so this never blocks; an output beyond the credits is the
+        worker's bug (:class:`ProtocolError`)."""
+        index = out.uid[1]
+        left = self._credits[index]
+        if left <= 0:
+            raise ProtocolError(f"output for {out.uid} without a credit")
+        if not self.started:
+            self._router.started(self, now)
+            self.started = True
+        self._send.send_nowait(out)
+        if out.finish_reason is None:
+            self._credits[index] = left - 1
+            if left == 1 and self.paused_since is None:
+                self.paused_since = now
+                self._router.paused(self)
+        else:
+            self._end(index, out.finish_reason)
+            self._resume_if_ready()
+
+    def fail(self, index: int, error: EngineError) -> None:
+        """The worker ended choice ``index`` with an error: the whole request ends with it."""
+        if self.is_live(index):
+            self.close(error, reason="error")
+
+    # -- the reader's side -------------------------------------------------------------------
+
+    def take(self, outputs: Sequence[RequestOutput]) -> None:
+        """The reader took ``outputs``: the worker may send as many more (of the live choices)."""
+        for out in outputs:
+            index = out.uid[1]
+            if out.finish_reason is None and index in self._credits:
+                self._credits[index] += 1
+                self._router.credit(out.uid)
+        self._resume_if_ready()
+
+    def finish(self, index: int) -> None:
+        """End choice ``index`` here, as a stop (a stop string matched in its text): its sequence
+        stops costing compute. No-op if it already ended."""
+        if self.is_live(index):
+            self._end(index, "stop")
+            self._router.abort((self.request_id, index))
+            self._resume_if_ready()  # the choice that was out of credits may be this one
+
+    def close(self, error: EngineError | None = None, reason: str = "abort") -> None:
+        """End the request: abort what is unfinished (counted as ``reason``), close the channel,
+        leave the router. Idempotent; ``error`` (the first one given) is what the reader gets
+        after its outputs."""
+        if error is not None and self.error is None:
+            self.error = error
+        for index in list(self._credits):  # never finished: they end here, counted once
+            self._end(index, reason)
+            self._router.abort((self.request_id, index))
+        self._send.close()
+        self._resume_if_ready()
+        self._router.closed(self)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _end(self, index: int, reason: str) -> None:
+        del self._credits[index]
+        self._router.ended(self, index, reason)
+        if not self._credits:
+            self._send.close()  # the reader sees the end after the last output
+
+    def _resume_if_ready(self) -> None:
+        if self.paused_since is not None and all(self._credits.values()):
+            self.paused_since = None
+            self._router.resumed(self)
+
+
+class GenerationStream:
+    """What a request reads: lists of outputs, everything queued since the last read, so a
+    reader that falls behind gets fewer, larger batches. ``out.uid == (request_id, index)``."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+        self.request_id = session.request_id
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> list[RequestOutput]:
+        receive = self._session.receive
+        try:
+            outputs = [await receive.receive()]
+        except trio.EndOfChannel:
+            if self._session.error is not None:
+                raise self._session.error from None
+            raise StopAsyncIteration from None
+        while True:
+            try:
+                outputs.append(receive.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        self._session.take(outputs)
+        return outputs
+
+    def finish(self, index: int) -> None:
+        """End choice ``index`` now, as a stop (a stop string matched in the text): its
+        sequence stops costing compute. No-op if it already finished."""
+        self._session.finish(index)
