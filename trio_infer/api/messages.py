@@ -176,13 +176,14 @@ def _chat_body(req: CountTokensRequest, stream: bool = False) -> tuple[dict[str,
     return body, origins
 
 
-def plan_messages(req: MessagesRequest, tokenizer: Any, limits: ModelLimits) -> Plan:
+def plan_messages(req: MessagesRequest, tokenizer: Any, limits: ModelLimits,
+                  reasoning: str = "auto", thinking_token_budget: int | None = None) -> Plan:
     body, origins = _chat_body(req, bool(req.stream))
     body["max_completion_tokens"] = req.max_tokens
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
     body.update(sampling_fields(req, ("temperature", "top_p", "top_k")))
-    plan = plan_as_chat(body, tokenizer, limits, _renamer(origins))
+    plan = plan_as_chat(body, tokenizer, limits, _renamer(origins), reasoning, thinking_token_budget)
     plan.id = f"msg_{uuid.uuid4().hex}"
     return plan
 

@@ -195,7 +195,8 @@ SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequ
             "parallel_tool_calls")
 
 
-def plan_responses(req: ResponsesRequest, tokenizer: Any, limits: ModelLimits) -> tuple[Plan, dict[str, Any]]:
+def plan_responses(req: ResponsesRequest, tokenizer: Any, limits: ModelLimits, reasoning: str = "auto",
+                   thinking_token_budget: int | None = None) -> tuple[Plan, dict[str, Any]]:
     """The request as a chat plan, and what the response object echoes of it."""
     _check_stateless(req)
     messages, origins = _messages(req)
@@ -218,7 +219,7 @@ def plan_responses(req: ResponsesRequest, tokenizer: Any, limits: ModelLimits) -
         body["response_format"] = fmt
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
-    plan = plan_as_chat(body, tokenizer, limits, _renamer(origins))
+    plan = plan_as_chat(body, tokenizer, limits, _renamer(origins), reasoning, thinking_token_budget)
     plan.id = f"resp_{uuid.uuid4().hex}"
     echo = {
         "instructions": req.instructions,

@@ -354,14 +354,17 @@ def register_routes(app: Quart) -> None:
     async def responses() -> Response:
         state = server_state(app).ready()
         req = await parse_body(ResponsesRequest)
-        plan, echo = plan_responses(req, state.tokenizer, state.limits)
+        plan, echo = plan_responses(req, state.tokenizer, state.limits, state.settings.reasoning,
+                                    state.settings.thinking_token_budget)
         return await _serve(state, plan, responses_serializer(echo))
 
     @app.post("/v1/messages")
     async def messages() -> Response:
         state = server_state(app).ready()
         req = await parse_body(MessagesRequest)
-        return await _serve(state, plan_messages(req, state.tokenizer, state.limits), MessagesSerializer)
+        return await _serve(state, plan_messages(req, state.tokenizer, state.limits,
+                                                 state.settings.reasoning,
+                                                 state.settings.thinking_token_budget), MessagesSerializer)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:

@@ -23,12 +23,14 @@ Rename = Callable[[str], str]
 _QUOTED = re.compile(r"'([A-Za-z_][A-Za-z0-9_.]*)'")
 
 
-def plan_as_chat(body: dict[str, Any], tokenizer: Any, limits: ModelLimits, rename: Rename) -> Plan:
-    """``body``, a chat completions request, planned; an :class:`APIError` naming the other API's
-    fields (``rename(chat field) -> field``) if it cannot be served."""
+def plan_as_chat(body: dict[str, Any], tokenizer: Any, limits: ModelLimits, rename: Rename,
+                 reasoning: str = "auto", thinking_token_budget: int | None = None) -> Plan:
+    """``body``, a chat completions request, planned (``reasoning``, ``thinking_token_budget``:
+    the settings, as for chat); an :class:`APIError` naming the other API's fields
+    (``rename(chat field) -> field``) if it cannot be served."""
     try:
         req = ChatCompletionRequest.model_validate(body)
-        return plan_chat(req, tokenizer, limits)
+        return plan_chat(req, tokenizer, limits, reasoning, thinking_token_budget)
     except APIError as exc:
         raise renamed(exc, rename) from None
     except ValidationError as exc:
