@@ -155,6 +155,8 @@ async def _run(args: argparse.Namespace, systems: list[System], workdir: Path) -
             print(f"  round {r + 1} {system.name:>12}: first answer {res['first_answer_s']:.2f} s "
                   f"({res['first_status']}), healthy {res['healthy_s']:.2f} s", flush=True)
             runs.append(res)
+            if args.output_json:  # what is done so far survives an interrupted run
+                stats.write_json(args.output_json, {"partial": True, "runs": runs})
     return runs
 
 

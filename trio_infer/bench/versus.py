@@ -365,6 +365,9 @@ async def _run(args: argparse.Namespace, path: str, systems: list[Target],
             runs += await run_system(args, target, path, r, workdir)
             schedule.append({"round": r, "system": target.name, "t_start_unix": t,
                              "t_end_unix": time.time()})
+            if args.output_json:  # what is done so far survives an interrupted run
+                stats.write_json(args.output_json, {"partial": True, "runs": runs,
+                                                    "schedule": schedule})
     args._schedule = schedule
     return runs
 
