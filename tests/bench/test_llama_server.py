@@ -84,6 +84,7 @@ def test_medians_and_ratios() -> None:
                 "ttft_p50_ms": 100.0, "ttft_p99_ms": 200.0, "itl_p50_ms": itl, "itl_p99_ms": 2 * itl,
                 "tpot_p50_ms": itl, "e2e_p50_ms": 1.0, "server_cores": 1.0,
                 "server_cores_leader": 0.2, "server_cores_children": 0.8, "errors": 0,
+                "output_tok_s_per_core": tok_s,
                 "output_tokens": 1024, "expected_output_tokens": 1024}
 
     runs = [run("ours", 0, 90, 10), run("ours", 1, 110, 12), run("ours", 2, 100, 11),
@@ -94,6 +95,7 @@ def test_medians_and_ratios() -> None:
     r = versus.ratios(med, "ours", "llama-server")["8"]
     assert r["output_tok_s"] == pytest.approx(2.0)  # ours / theirs
     assert r["itl_p50_ms"] == pytest.approx(2.0)  # theirs / ours: > 1, ours faster
+    assert r["output_tok_s_per_core"] == pytest.approx(2.0)
 
 
 def test_startup_summary() -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -196,6 +197,9 @@ def main(args: argparse.Namespace) -> int:
     shown = {s.name: display(s, model) for s in systems}
     for name, cmd in shown.items():
         print(f"  {name}: {cmd}", flush=True)
+    # Started in the background by a non-interactive shell, this process inherits SIGINT
+    # ignored; Ctrl-C / SIGINT must still stop it and, through trio, the server it runs.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         workdir = Path(args.log_dir) if args.log_dir else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -213,6 +214,9 @@ async def _measure(args: argparse.Namespace, port: int, pid: int, model: str, co
         "tpot_p50_ms": res["tpot_ms"]["p50"],
         "e2e_p50_ms": res["e2e_ms"]["p50"],
         "server_cores": (lead + rest) / wall,
+        # Output tokens per CPU-second the server got: on a shared machine a system measured
+        # while others took the cores gets fewer of them, which this figure discounts.
+        "output_tok_s_per_core": res["output_throughput"] / max((lead + rest) / wall, 1e-9),
         "server_cores_leader": lead / wall,  # ours: the front end
         "server_cores_children": rest / wall,  # ours: the batching worker
         "loadavg_1m": [load_before, _loadavg()],
@@ -283,7 +287,7 @@ def _loadavg() -> float:
 def medians(runs: list[dict[str, Any]], names: list[str], levels: list[int]) -> dict[str, Any]:
     """{system: {concurrency: {figure: median over rounds, ...}}}"""
     keys = (*FIGURES, "server_cores", "server_cores_leader", "server_cores_children",
-            "e2e_p50_ms")
+            "e2e_p50_ms", "output_tok_s_per_core")
     out: dict[str, Any] = {}
     for name in names:
         per: dict[str, Any] = {}
@@ -316,6 +320,8 @@ def ratios(med: dict[str, Any], ours: str, theirs: str) -> dict[str, Any]:
         r: dict[str, float] = {"output_tok_s": _div(a["output_tok_s"], b["output_tok_s"])}
         for k in FIGURES[1:]:
             r[k] = _div(b[k], a[k])
+        r["output_tok_s_per_core"] = _div(a.get("output_tok_s_per_core"),
+                                          b.get("output_tok_s_per_core"))
         out[c] = r
     return out
 
@@ -337,21 +343,24 @@ def print_tables(med: dict[str, Any], all_ratios: dict[str, Any], levels: list[i
                 continue
             rows.append([name, m["output_tok_s"], m["ttft_p50_ms"], m["ttft_p99_ms"],
                          m["itl_p50_ms"], m["itl_p99_ms"], m["tpot_p50_ms"],
-                         m["server_cores"], m["server_cores_leader"], m["errors"]])
+                         m["server_cores"], m["server_cores_leader"],
+                         m["output_tok_s_per_core"], m["errors"]])
         stats.print_table(["system", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-                           "ITL p99 ms", "TPOT p50 ms", "cores", "front end", "errors"], rows)
+                           "ITL p99 ms", "TPOT p50 ms", "cores", "front end", "tok/s/core",
+                           "errors"], rows)
         rrows = []
         for label, per in all_ratios.items():
             r = per.get(key)
             if r is None:
                 continue
             rrows.append([label, r["output_tok_s"], r["ttft_p50_ms"], r["ttft_p99_ms"],
-                          r["itl_p50_ms"], r["itl_p99_ms"], r["tpot_p50_ms"]])
+                          r["itl_p50_ms"], r["itl_p99_ms"], r["tpot_p50_ms"],
+                          r["output_tok_s_per_core"]])
         if rrows:
             print("ratios (> 1: the first system better): tok/s first/second, latencies "
                   "second/first")
             stats.print_table(["first vs second", "tok/s", "TTFT p50", "TTFT p99", "ITL p50",
-                               "ITL p99", "TPOT p50"], rrows)
+                               "ITL p99", "TPOT p50", "tok/s/core"], rrows)
 
 
 async def _run(args: argparse.Namespace, path: str, systems: list[Target],
@@ -384,6 +393,9 @@ def main(args: argparse.Namespace) -> int:
     if args.baseline == "llama-server":
         print(f"llama-server: {args.llama_server_binary} -t {args.llama_threads} -np C "
               f"-c C*{ctx_per_slot(args)}", flush=True)
+    # Started in the background by a non-interactive shell, this process inherits SIGINT
+    # ignored; Ctrl-C / SIGINT must still stop it and, through trio, the server it runs.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with tempfile.TemporaryDirectory(prefix="bench-versus-") as tmp:
         workdir = Path(args.log_dir) if args.log_dir else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
