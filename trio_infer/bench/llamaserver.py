@@ -152,7 +152,8 @@ def build(cache_dir: Path | None = None, version: str = VERSION, jobs: int | Non
     jobs = jobs or os.cpu_count() or 1
     _say(f"llama-server: building it once from the llama.cpp vendored in llama-cpp-python "
          f"{version} (only the llama-server target, Release, GGML_NATIVE=ON, ninja -j{jobs}); "
-         f"this takes about 10 minutes on 2 cores. Log: {log_path}")
+         f"this takes about 10 minutes on 2 quiet cores, much longer on busy ones. "
+         f"Log: {log_path}")
     t0 = time.monotonic()
     with open(log_path, "ab") as log:
         for step in (
