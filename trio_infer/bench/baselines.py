@@ -19,13 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trio_infer.bench.workload import BenchRequest
+from trio_infer.bench.engine_setup import torch_dtype
+from trio_infer.bench.workload import BenchRequest, make_result, warmup_request
 
 
 def load_hf(path: Path, dtype_name: str) -> Any:
     from transformers import AutoModelForCausalLM
-
-    from trio_infer.bench.offline import torch_dtype
 
     path = Path(path)
     if path.suffix.lower() == ".gguf" and path.is_file():
@@ -94,8 +93,6 @@ def run_hf(name: str, model: Any, args: argparse.Namespace,
     serves every hf-* baseline of an invocation: ``generate`` leaves its weights as they are)."""
     from tqdm import tqdm
 
-    from trio_infer.bench.offline import _result, warmup_request
-
     warm = warmup_request(workload)
     generate(model, [warm, warm] if name == "hf-static" else [warm], True)
 
@@ -106,7 +103,7 @@ def run_hf(name: str, model: Any, args: argparse.Namespace,
     for batch in tqdm(batches, desc=name, unit="batch" if size > 1 else "req", leave=False):
         counted.extend(generate(model, batch, args.ignore_eos))
     elapsed = time.perf_counter() - t0
-    return _result(workload, counted, elapsed, None, batch_size=size)
+    return make_result(workload, counted, elapsed, None, batch_size=size)
 
 
 def hf_decode_step_s(path: Path, dtype_name: str, prompt: list[list[int]], steps: int) -> float:

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from trio_infer.bench import stats
-from trio_infer.bench.offline import (
-    _loadavg,
+from trio_infer.bench.engine_setup import (
+    loadavg,
     engine_config,
     kv_bytes_per_token,
     model_config,
@@ -147,7 +147,7 @@ def main(args: argparse.Namespace) -> int:
         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)])
     mask_s[0] = 0.0
 
-    load = [_loadavg()]
+    load = [loadavg()]
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, grammar=source)
     constrained_s = plain_s = masks_total = 0.0
     rounds = []
@@ -163,7 +163,7 @@ def main(args: argparse.Namespace) -> int:
                        "mask_thread_s": mask_s[0]})
         print(f"  round {len(rounds)}: constrained {c_s:.2f} s, unconstrained {p_s:.2f} s, "
               f"ratio {p_s / c_s:.3f}; masks {mask_s[0]:.2f} s in their thread", flush=True)
-    load.append(_loadavg())
+    load.append(loadavg())
     TokenMasks._compute = compute  # type: ignore[method-assign]
 
     out = sum(counts) * args.rounds

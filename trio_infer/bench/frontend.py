@@ -39,19 +39,24 @@ import json
 import math
 import os
 import re
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trio_infer.bench import stats
+from trio_infer.bench import procstat, stats
+from trio_infer.bench.client import Endpoint, request
+from trio_infer.bench.procstat import CpuMeter
+from trio_infer.bench.servers import (  # noqa: F401  (re-exported: the tests use frontend.*)
+    System,
+    _log_tail,
+    _wait_healthy,
+    free_port,
+    start_server,
+    stop_server,
+)
 
 
 def _int_list(text: str) -> list[int]:
@@ -123,12 +128,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", type=Path, default=None)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def default_launcher() -> str:
     import importlib.util
 
@@ -182,27 +181,6 @@ def endpoint_for(args: argparse.Namespace) -> str:
     return "chat" if args.compare else "completions"
 
 
-@dataclass
-class System:
-    """A server to measure: ours (an argv) or a compared one (a shell command with ``{port}``)."""
-
-    name: str
-    command: list[str] | str
-    env: dict[str, str]
-    model: str | None  # for the load generator; None = the first id of GET /v1/models
-
-    def argv(self, port: int) -> list[str]:
-        if isinstance(self.command, str):
-            shell = shutil.which("bash") or "/bin/sh"
-            return [shell, "-c", self.command.replace("{port}", str(port))]
-        return [part.replace("{port}", str(port)) for part in self.command]
-
-    def display(self) -> str:
-        if isinstance(self.command, str):
-            return self.command
-        return " ".join(self.command)
-
-
 def systems_for(args: argparse.Namespace) -> list[System]:
     launcher = args.launcher or default_launcher()
     ours = System("ours", server_command(launcher, args.step_ms, "{port}", args.server_arg),
@@ -211,54 +189,6 @@ def systems_for(args: argparse.Namespace) -> list[System]:
     if len(set(names)) != len(names):
         raise SystemExit(f"error: --compare names must be unique, got {names}")
     return [ours] + [System(name, cmd, compare_env(args), None) for name, cmd in args.compare]
-
-
-def start_server(system: System, port: int, log: Path) -> subprocess.Popen:
-    """Start ``system`` on ``port`` in a new session (its own process group, led by the
-    returned process), output to ``log``."""
-    with open(log, "wb") as log_file:
-        return subprocess.Popen(system.argv(port), env=system.env, stdout=log_file,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def stop_server(proc: subprocess.Popen, timeout: float = 15.0) -> None:
-    """SIGINT to the server's whole process group, then SIGKILL to whatever is left of the group
-    (the leader or any process it started) after ``timeout`` seconds."""
-    pgid = proc.pid  # start_new_session: the leader's pid is the group id
-    deadline = time.monotonic() + timeout
-    if proc.poll() is None:
-        try:
-            os.killpg(pgid, signal.SIGINT)
-        except ProcessLookupError:
-            pass
-    while time.monotonic() < deadline:
-        proc.poll()  # reap the leader, so that only live processes keep the group alive
-        if not _group_alive(pgid):
-            break
-        time.sleep(0.05)
-    if _group_alive(pgid):
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + 5.0  # SIGKILL takes effect asynchronously
-        while time.monotonic() < deadline:
-            proc.poll()
-            if not _group_alive(pgid):
-                break
-            time.sleep(0.02)
-    proc.wait()
 
 
 def rounds_for(args: argparse.Namespace, concurrency: int) -> int:
@@ -281,42 +211,11 @@ def _interp(series: list[tuple[float, int]], t: float) -> float:
     return series[-1][1]
 
 
-def _log_tail(log: Path) -> str:
-    try:
-        return log.read_text(errors="replace")[-4000:]
-    except OSError:
-        return "(no log)"
-
-
-async def _wait_healthy(ep: Any, proc: subprocess.Popen, timeout: float, log: Path,
-                        name: str = "ours") -> None:
-    import trio
-
-    from trio_infer.bench.client import request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"error: the server {name!r} exited with {proc.returncode}; its log:\n"
-                             + _log_tail(log))
-        try:
-            status, _ = await request(ep, "GET", "/health")
-            if status == 200:
-                return
-        except OSError:
-            pass
-        await trio.sleep(0.2)
-    raise SystemExit(f"error: the server {name!r} did not become healthy in {timeout:g} s; "
-                     f"its log:\n{_log_tail(log)}")
-
-
 async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurrency: int,
                          workdir: Path, system: System | None = None, tag: str = "ours",
                          endpoint: str = "completions") -> dict[str, Any]:
     import trio
 
-    from trio_infer.bench.client import Endpoint, request
-    from trio_infer.bench.procstat import CpuMeter
 
     root = Endpoint("127.0.0.1", port, "")
     meter = CpuMeter(pid)  # the server's whole process tree, children included
@@ -424,7 +323,6 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
 async def _run_system(args: argparse.Namespace, system: System, repeat: int,
                       workdir: Path, endpoint: str) -> dict[str, Any]:
     """Start ``system`` on a free port, run every level, stop its whole process group."""
-    from trio_infer.bench.client import Endpoint
 
     port = free_port()
     tag = f"{system.name}-r{repeat}"
@@ -450,9 +348,8 @@ async def _run_system(args: argparse.Namespace, system: System, repeat: int,
 
 
 async def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from trio_infer.bench.procstat import available
 
-    if not available():
+    if not procstat.available():
         raise SystemExit("error: frontend needs Linux /proc/<pid>/task/<tid>/schedstat")
     systems = systems_for(args)
     endpoint = endpoint_for(args)

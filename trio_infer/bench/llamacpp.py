@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trio_infer.bench.workload import BenchRequest
+from trio_infer.bench.workload import BenchRequest, make_result
 
 
 def available() -> bool:
@@ -67,7 +67,7 @@ class LlamaCpp:
         lc = require()
         self.lc = lc
         lc.llama_backend_init()
-        lc.llama_log_set(_quiet_log, ctypes.c_void_p())
+        lc.llama_log_set(_quiet_log(), ctypes.c_void_p())
         mparams = lc.llama_model_default_params()
         self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
@@ -126,15 +126,15 @@ def _noop_log(level: int, text: bytes, user_data: Any) -> None:
     return None
 
 
-def _make_quiet_log() -> Any:
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    return llama_cpp.llama_log_callback(_noop_log)
+_QUIET_LOG: list[Any] = []  # the ctypes callback, made once and kept alive
 
 
-_quiet_log = _make_quiet_log()
+def _quiet_log() -> Any:
+    """llama.cpp's log callback that drops everything (made on first use: importing llama_cpp
+    loads its library, half a second, which importing this module should not cost)."""
+    if not _QUIET_LOG:
+        _QUIET_LOG.append(require().llama_log_callback(_noop_log))
+    return _QUIET_LOG[0]
 
 
 def decode_profile(path: Path, threads: int, batch: int, prompts: list[list[int]],
@@ -164,8 +164,6 @@ def decode_profile(path: Path, threads: int, batch: int, prompts: list[list[int]
 def run_workload(path: Path, threads: int, workload: list[BenchRequest], slots: int,
                  max_batched_tokens: int, ignore_eos: bool) -> dict[str, Any]:
     """Continuous batching over ``slots`` sequences; the same result fields as our engine's."""
-    from trio_infer.bench.offline import _result
-
     longest = max(r.prompt_len + r.output_len for r in workload)
     llm = LlamaCpp(path, threads, slots, longest + 8, max_batched_tokens)
     try:
@@ -221,5 +219,5 @@ def run_workload(path: Path, threads: int, workload: list[BenchRequest], slots: 
         elapsed = time.perf_counter() - t0
     finally:
         llm.close()
-    return _result(workload, out_tokens, elapsed, [first[i] for i in range(len(workload))],
+    return make_result(workload, out_tokens, elapsed, [first[i] for i in range(len(workload))],
                    steps=steps, threads=threads, slots=slots)

@@ -22,6 +22,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trio_infer.bench import llamacpp
+from trio_infer.bench.engine_setup import quantized_checkpoint
+
 PROMPT_TOKENS = 128
 DECODE_STEPS = 16
 
@@ -94,13 +97,9 @@ def _child(argv: list[str]) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     if args.quantized:
-        from trio_infer.bench.offline import quantized_checkpoint
-
         path = str(quantized_checkpoint(args.quantized))
     else:
         path = args.model
-    from trio_infer.bench import llamacpp
-
     if not llamacpp.available():
         raise SystemExit("error: the llama.cpp side needs llama-cpp-python (bench-llamacpp extra)")
     common = [path, str(args.context), str(args.threads)]

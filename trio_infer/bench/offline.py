@@ -22,19 +22,28 @@ import gc
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from trio_infer.bench import stats
-from trio_infer.bench.workload import BenchRequest, make_workload, parse_range
+from trio_infer.bench import baselines, llamacpp, stats
+from trio_infer.bench.engine_setup import (
+    DEFAULT_MODEL_ALIASES,
+    DTYPES,
+    build_engine,
+    is_gguf,
+    loadavg,
+    model_config,
+    resolve_checkpoint,
+    run_engine,
+    set_threads,
+    special_token_ids,
+    supports_prefix_cache_flag,
+    token_range,
+)
+from trio_infer.bench.profile import run_profile
+from trio_infer.bench.workload import make_workload, parse_range
 
 BASELINES = ("hf-sequential", "hf-static", "no-prefix-cache", "llama.cpp")
-# --model names for the server's default model (SmolLM2-135M-Instruct, Q4_1 GGUF).
-DEFAULT_MODEL_ALIASES = ("default", "smollm2", "smollm2-135m-instruct")
-DTYPES = ("float32", "bfloat16", "float16")
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument(
@@ -111,244 +120,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", type=Path, default=None)
 
 
-# -- setup ------------------------------------------------------------------------------------
-
-
-def _settings_defaults() -> dict[str, Any]:
-    from trio_infer.settings import Settings
-
-    fields = Settings.model_fields
-    return {k: fields[k].default for k in ("page_size", "kv_cache_mb", "max_running", "max_batched_tokens")}
-
-
-def supports_prefix_cache_flag() -> bool:
-    from trio_infer.engine.engine import EngineConfig
-
-    return "enable_prefix_cache" in {f.name for f in dataclasses.fields(EngineConfig)}
-
-
-def engine_config(args: argparse.Namespace, workload_tokens: int, bytes_per_token: int,
-                  prefix_cache: bool | None) -> Any:
-    """EngineConfig from the flags, the server's defaults for what is not given."""
-    from trio_infer.engine.engine import EngineConfig
-
-    d = _settings_defaults()
-    page_size = args.page_size or d["page_size"]
-    max_running = args.max_running or d["max_running"]
-    max_batched = args.max_batched_tokens or max(d["max_batched_tokens"], max_running)
-    if args.kv_cache_mb:
-        kv_bytes = args.kv_cache_mb * 2**20
-    else:
-        # Every request resident at once, each rounded up by a page: no preemption from the pool.
-        need = (workload_tokens + args.num_prompts * page_size) * bytes_per_token
-        kv_bytes = max(d["kv_cache_mb"] * 2**20, int(need * 1.05))
-    kwargs: dict[str, Any] = dict(
-        page_size=page_size,
-        kv_cache_bytes=kv_bytes,
-        max_running=max_running,
-        max_batched_tokens=max_batched,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
-    if prefix_cache is not None:
-        if not supports_prefix_cache_flag():
-            raise SystemExit(
-                "error: this engine's EngineConfig has no 'enable_prefix_cache' option, so the "
-                "prefix cache cannot be switched off (--no-prefix-cache / --baseline "
-                "no-prefix-cache need it)"
-            )
-        kwargs["enable_prefix_cache"] = prefix_cache
-    return EngineConfig(**kwargs)
-
-
-def resolve_checkpoint(args: argparse.Namespace) -> Path:
-    """A Hugging Face folder or a GGUF file (never a folder holding one: its file instead)."""
-    from trio_infer.bench.checkpoints import ensure_shape_checkpoint
-    from trio_infer.models.default_model import default_cache_dir, require_default_model
-    from trio_infer.models.gguf_loader import GGUFError, find_gguf
-
-    if getattr(args, "quantized", None):
-        return quantized_checkpoint(args.quantized)
-    if args.model:
-        if args.model.lower() in DEFAULT_MODEL_ALIASES:
-            try:
-                return require_default_model(default_cache_dir())
-            except FileNotFoundError as exc:
-                raise SystemExit(f"error: {exc}") from None
-        path = Path(args.model).expanduser()
-        try:
-            gguf_file = find_gguf(path)
-        except GGUFError as exc:
-            raise SystemExit(f"error: {exc}") from None
-        if gguf_file is not None:
-            return gguf_file
-        if not (path / "config.json").is_file():
-            raise SystemExit(
-                f"error: {path} is neither a checkpoint folder (no config.json) nor a .gguf file"
-            )
-        return path
-    return ensure_shape_checkpoint(args.shape or "small", args.cache_dir)
-
-
-def quantized_checkpoint(spec: str) -> Path:
-    """``--quantized MODEL:TYPE``: the file, made once (see :mod:`trio_infer.bench.quantized`)."""
-    from trio_infer.bench import quantized
-
-    model, _, file_type = spec.partition(":")
-    if model not in (*quantized.SHAPES, "smollm2-135m") or file_type not in quantized.FILE_TYPES:
-        raise SystemExit(
-            f"error: --quantized {spec!r}: expected MODEL:TYPE with MODEL one of "
-            f"{', '.join((*quantized.SHAPES, 'smollm2-135m'))} and TYPE one of "
-            f"{', '.join(quantized.FILE_TYPES)}")
-    if not quantized.available():
-        raise SystemExit("error: --quantized needs llama-cpp-python's quantizer: "
-                         ".venv/bin/pip install '.[bench-llamacpp]' (builds llama.cpp from source)")
-    print(f"making (or reusing) {model} {file_type} with llama.cpp's quantizer ...", flush=True)
-    if model == "smollm2-135m":
-        return quantized.ensure_requantized(file_type)
-    return quantized.ensure_shape(model, file_type)
-
-
-def is_gguf(path: Path) -> bool:
-    return path.suffix.lower() == ".gguf" and path.is_file()
-
-
-def model_config(path: Path) -> Any:
-    """The transformers config of a checkpoint folder or GGUF file (from its metadata)."""
-    if is_gguf(path):
-        from trio_infer.models.gguf_loader import GGUFCheckpoint
-
-        return GGUFCheckpoint.open(path).config
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(path))
-
-
-def special_token_ids(path: Path) -> set[int] | None:
-    """Ids of the tokenizer's special and added tokens (control tokens, never ordinary text), or
-    None for a checkpoint without a tokenizer."""
-    from trio_infer.models.loader import load_tokenizer
-
-    try:
-        tok = load_tokenizer(path)
-    except (OSError, ValueError):
-        return None
-    return set(tok.all_special_ids) | set(tok.added_tokens_decoder)
-
-
-def token_range(vocab_size: int, special: set[int] | None) -> tuple[int, int]:
-    """``(first, end)``: synthetic prompts draw ids uniformly from ``[first, end)``, the longest
-    run of ids below ``vocab_size`` holding no special token (SmolLM2: 17..49151, after its 17
-    control tokens; Qwen: 0..151642, before its special and padding ids; the synthetic shapes:
-    3..vocab_size-1). Without a tokenizer: ``[3, vocab_size)``, as the workloads always did."""
-    if special is None:
-        return 3, vocab_size
-    best = (0, 0)
-    start = 0
-    for i in sorted(s for s in special if 0 <= s < vocab_size) + [vocab_size]:
-        if i - start > best[1] - best[0]:
-            best = (start, i)
-        start = i + 1
-    if best[1] - best[0] < 1:
-        raise SystemExit(f"error: no ordinary token id below {vocab_size}")
-    return best
-
-
-def set_threads(args: argparse.Namespace) -> int:
-    from trio_infer.runtime.loading import configure_torch_threads
-    from trio_infer.settings import Settings
-
-    return configure_torch_threads(Settings(torch_threads=args.threads))
-
-
-def torch_dtype(name: str) -> Any:
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def kv_bytes_per_token(info: Any) -> int:
-    import torch
-
-    elem = torch.empty((), dtype=info.dtype).element_size()
-    return 2 * info.num_layers * info.num_kv_heads * info.head_dim * elem
-
-
-# -- our engine -------------------------------------------------------------------------------
-
-
-def _params(req: BenchRequest, ignore_eos: bool) -> Any:
-    from trio_infer.wire import SamplingParams
-
-    return SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=ignore_eos)
-
-
-def warmup_request(workload: list[BenchRequest]) -> BenchRequest:
-    """An untimed request of ordinary tokens: the workload's first 16 prompt ids, 4 new tokens."""
-    return BenchRequest(workload[0].prompt_ids[:16], 4)
-
-
-def run_engine(engine: Any, workload: list[BenchRequest], ignore_eos: bool) -> dict[str, Any]:
-    """Submit everything at t=0, step to the end; count tokens, first-token and finish times."""
-    warm = warmup_request(workload)
-    engine.add_request(("warmup", 0), warm.prompt_ids, _params(warm, True))
-    while engine.has_unfinished():
-        engine.step()
-
-    first: dict[int, float] = {}
-    done: dict[int, float] = {}
-    out_tokens = [0] * len(workload)
-    steps = 0
-    t0 = time.perf_counter()
-    for i, req in enumerate(workload):
-        engine.add_request(i, req.prompt_ids, _params(req, ignore_eos))
-    while engine.has_unfinished():
-        outs = engine.step()
-        steps += 1
-        now = time.perf_counter() - t0
-        for o in outs:
-            first.setdefault(o.uid, now)
-            out_tokens[o.uid] += len(o.token_ids)
-            if o.finish_reason is not None:
-                done[o.uid] = now
-    elapsed = time.perf_counter() - t0
-    return _result(workload, out_tokens, elapsed, [first[i] for i in range(len(workload))],
-                   steps=steps)
-
-
-def _result(workload: list[BenchRequest], out_tokens: list[int], elapsed: float,
-            ttfts: list[float] | None, **extra: Any) -> dict[str, Any]:
-    prompt = sum(r.prompt_len for r in workload)
-    output = sum(out_tokens)
-    res: dict[str, Any] = {
-        "requests": len(workload),
-        "prompt_tokens": prompt,
-        "output_tokens": output,
-        "elapsed_s": elapsed,
-        "output_tok_s": output / elapsed,
-        "total_tok_s": (prompt + output) / elapsed,
-    }
-    if ttfts:
-        prefill_done = max(ttfts)
-        res["ttft_s"] = stats.summarize(ttfts)
-        res["prefill_done_s"] = prefill_done
-        res["prefill_tok_s"] = prompt / prefill_done
-    res.update(extra)
-    return res
-
-
-def build_engine(path: Path, args: argparse.Namespace, workload: list[BenchRequest],
-                 prefix_cache: bool | None) -> Any:
-    from trio_infer.engine.engine import Engine
-    from trio_infer.models.loader import load_model
-
-    model = load_model(path, dtype=torch_dtype(args.dtype), device="cpu",
-                       keep_blocks=False if args.no_gguf_blocks else None,
-                       activations=args.activations)
-    tokens = sum(r.prompt_len + r.output_len for r in workload)
-    config = engine_config(args, tokens, kv_bytes_per_token(model.info), prefix_cache)
-    return Engine(model, config, device="cpu")
-
-
 # -- the subcommand ---------------------------------------------------------------------------
 
 
@@ -364,14 +135,10 @@ def main(args: argparse.Namespace) -> int:
     threads = set_threads(args)
     path = resolve_checkpoint(args)
     if "llama.cpp" in args.baseline:
-        from trio_infer.bench import llamacpp
-
         if not is_gguf(path):
             raise SystemExit("error: --baseline llama.cpp needs a GGUF --model (it runs that file)")
         llamacpp.require()
     if args.profile:
-        from trio_infer.bench.profile import run_profile
-
         return run_profile(path, args, threads)
 
     vocab = model_config(path).vocab_size
@@ -399,9 +166,9 @@ def main(args: argparse.Namespace) -> int:
     engine = build_engine(path, args, workload, ours_cache)
     config = dataclasses.asdict(engine.config)
     print(f"ours: running ({config}) ...", flush=True)
-    load_before = _loadavg()
+    load_before = loadavg()
     results["ours"] = run_engine(engine, workload, args.ignore_eos)
-    results["ours"]["loadavg_1m"] = [load_before, _loadavg()]
+    results["ours"]["loadavg_1m"] = [load_before, loadavg()]
     _report_line("ours", results["ours"])
     del engine
     gc.collect()
@@ -410,27 +177,23 @@ def main(args: argparse.Namespace) -> int:
     for name in dict.fromkeys(args.baseline):  # each once, in the order given
         print(f"{name}: running ...", flush=True)
         if name == "no-prefix-cache":
-            load_before = _loadavg()
+            load_before = loadavg()
             engine = build_engine(path, args, workload, False)
             results[name] = run_engine(engine, workload, args.ignore_eos)
             del engine
         elif name == "llama.cpp":
-            from trio_infer.bench import llamacpp
-
-            load_before = _loadavg()
+            load_before = loadavg()
             results[name] = llamacpp.run_workload(
                 path, args.llamacpp_threads or threads, workload,
                 args.llamacpp_slots or config["max_running"], config["max_batched_tokens"],
                 args.ignore_eos,
             )
         else:
-            from trio_infer.bench.baselines import load_hf, run_hf
-
             if hf_model is None:
-                hf_model = load_hf(path, args.dtype)
-            load_before = _loadavg()
-            results[name] = run_hf(name, hf_model, args, workload)
-        results[name]["loadavg_1m"] = [load_before, _loadavg()]
+                hf_model = baselines.load_hf(path, args.dtype)
+            load_before = loadavg()
+            results[name] = baselines.run_hf(name, hf_model, args, workload)
+        results[name]["loadavg_1m"] = [load_before, loadavg()]
         gc.collect()
         _report_line(name, results[name])
     del hf_model
@@ -476,14 +239,6 @@ def main(args: argparse.Namespace) -> int:
         })
         print(f"wrote {args.output_json}")
     return 0
-
-
-def _loadavg() -> float:
-    """The 1-minute load average: the machine may be shared, and every figure depends on it."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return math.nan
 
 
 def _report_line(name: str, r: dict[str, Any]) -> None:

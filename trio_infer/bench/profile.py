@@ -27,7 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trio_infer.bench import stats
+from trio_infer.bench import baselines, llamacpp, stats
+from trio_infer.bench.engine_setup import (
+    build_engine,
+    model_config,
+    special_token_ids,
+    token_range,
+    torch_dtype,
+)
+from trio_infer.bench.workload import BenchRequest
 
 
 def measure_read_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float:
@@ -112,14 +120,6 @@ def _packed_tied(model: Any) -> bool:
 def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
     import torch
 
-    from trio_infer.bench.offline import (
-        build_engine,
-        model_config,
-        special_token_ids,
-        token_range,
-        torch_dtype,
-    )
-    from trio_infer.bench.workload import BenchRequest
     from trio_infer.wire import SamplingParams
 
     batch, ctx, steps = args.profile_batch, args.profile_context, args.profile_steps
@@ -190,14 +190,10 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
 
     hf_step = None
     if "hf-sequential" in args.baseline or "hf-static" in args.baseline:
-        from trio_infer.bench.baselines import hf_decode_step_s
-
         print("transformers: timing its decode step ...", flush=True)
-        hf_step = hf_decode_step_s(path, args.dtype, prompts, steps)
+        hf_step = baselines.hf_decode_step_s(path, args.dtype, prompts, steps)
     lc_step = None
     if "llama.cpp" in args.baseline:
-        from trio_infer.bench import llamacpp
-
         lc_threads = args.llamacpp_threads or threads
         print(f"llama.cpp: timing its decode step ({lc_threads} threads) ...", flush=True)
         lc_step = statistics.median(llamacpp.decode_profile(path, lc_threads, batch, prompts, steps))

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from trio_infer.bench import llamacpp
+
 # Shapes of real models (seeded random weights). SmolLM2-1.7B: Llama architecture, tied
 # embeddings, SmolLM2's 49152-token vocabulary.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -35,8 +37,6 @@ FILE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_S"
 
 def available() -> bool:
     """Whether llama-cpp-python (the quantizer) is installed."""
-    from trio_infer.bench import llamacpp
-
     return llamacpp.available()
 
 

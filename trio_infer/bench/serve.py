@@ -22,45 +22,128 @@ sees as a stall, independent of how the server groups tokens into events).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import trio
+
 from trio_infer.bench import stats
+from trio_infer.bench.client import Endpoint, StreamResult, request, stream_sse
 from trio_infer.bench.workload import make_text_workload, parse_range
+
+
+def levels_spec(text: str) -> list[int]:
+    """``"1,8,32"`` -> [1, 8, 32] (for argparse ``type=``)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("concurrency levels must be >= 1")
+    return values
+
+
+def variant_spec(text: str) -> tuple[str, list[str]]:
+    """``NAME='--flag value ...'``: ours with extra ``serve`` flags (for argparse ``type=``)."""
+    name, sep, rest = text.partition("=")
+    name = name.strip()
+    if not sep or not name or name in ("ours", "llama-server"):
+        raise argparse.ArgumentTypeError(
+            f"expected NAME='--flag value ...' (NAME not ours/llama-server), got {text!r}")
+    return name, shlex.split(rest)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
                    help="server root including /v1 (http:// only)")
     p.add_argument("--model", default=None, help="model id; default: the first of /v1/models")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                   help="POST /completions with a prompt, or /chat/completions with one user message")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default=None,
+                   help="POST /completions with a prompt, or /chat/completions with one user "
+                   "message (default: completions; chat with --baseline/--variant)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=None,
-                   help="requests in flight at most (default: unlimited)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="default 64; with --baseline/--variant: --requests-per-slot x the "
+                   "concurrency (at least 8) per level")
+    p.add_argument("--concurrency", type=levels_spec, default=None, metavar="C[,C2,...]",
+                   help="requests in flight at most (default: unlimited); with "
+                   "--baseline/--variant, the levels to measure (default 1,8,32)")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="Poisson arrival rate per second (default inf: all at once)")
-    p.add_argument("--input-len", type=parse_range, default=parse_range("32:512"), metavar="MIN:MAX",
-                   help="prompt length in words (about one token each)")
-    p.add_argument("--output-len", type=parse_range, default=parse_range("16:256"), metavar="MIN:MAX")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--input-len", type=parse_range, default=None, metavar="MIN:MAX",
+                   help="prompt length in words (about one token each); default 32:512, with "
+                   "--baseline/--variant 128")
+    p.add_argument("--output-len", type=parse_range, default=None, metavar="MIN:MAX",
+                   help="default 16:256, with --baseline/--variant 128")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="(always on with --baseline/--variant)")
     p.add_argument("--shared-prefix-len", type=int, default=0, metavar="N")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--output-json", type=Path, default=None)
     p.add_argument("--quiet", action="store_true", help="no table (with --output-json)")
+    cmp = p.add_argument_group(
+        "comparison (--baseline, --variant): start the servers here on one GGUF file, "
+        "interleaved; see docs/benchmarks.md")
+    cmp.add_argument("--baseline", choices=("llama-server",), default=None,
+                     help="also measure llama.cpp's server (built once, cached)")
+    cmp.add_argument("--variant", type=variant_spec, action="append", default=[],
+                     metavar="NAME='FLAGS'",
+                     help="also measure ours with these extra `serve` flags (repeatable)")
+    cmp.add_argument("--model-file", default=None,
+                     help="the GGUF file both serve (default: the default model's)")
+    cmp.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    cmp.add_argument("--requests-per-slot", type=int, default=3)
+    cmp.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                     help="extra argument for every `python -m trio_infer serve` (repeatable)")
+    cmp.add_argument("--llama-threads", type=int, default=2, help="llama-server's -t and -tb")
+    cmp.add_argument("--llama-server-arg", action="append", default=[], metavar="ARG",
+                     help="extra argument for llama-server (repeatable)")
+    cmp.add_argument("--ctx-per-slot", type=int, default=0,
+                     help="llama-server's context per slot (-c = slots x this); 0: the prompt "
+                     "and output lengths with slack for the chat template, rounded up to 256")
+    cmp.add_argument("--startup-timeout", type=float, default=600.0)
+    cmp.add_argument("--stop-timeout", type=float, default=15.0)
+    cmp.add_argument("--log-dir", type=Path, default=None,
+                     help="keep the servers' logs here (default: a temporary folder)")
+
+
+def compare_mode(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "baseline", None) or getattr(args, "variant", None))
+
+
+def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the defaults that depend on the mode (a plain load, or a comparison); once."""
+    if getattr(args, "resolved", False):
+        return args
+    args.resolved = True
+    cmp = compare_mode(args)
+    if args.endpoint is None:
+        args.endpoint = "chat" if cmp else "completions"
+    if args.input_len is None:
+        args.input_len = parse_range("128" if cmp else "32:512")
+    if args.output_len is None:
+        args.output_len = parse_range("128" if cmp else "16:256")
+    if cmp:
+        args.ignore_eos = True
+        args.levels = args.concurrency or [1, 8, 32]
+        if args.rounds < 1:
+            raise SystemExit("error: --rounds must be >= 1")
+    else:
+        if args.concurrency and len(args.concurrency) > 1:
+            raise SystemExit("error: several --concurrency levels need --baseline or --variant")
+        args.concurrency = args.concurrency[0] if args.concurrency else None
+        if args.num_prompts is None:
+            args.num_prompts = 64
+    return args
 
 
 async def _first_model(ep: Any, api_key: str | None) -> str:
-    import json
-
-    from trio_infer.bench.client import request
-
     status, body = await request(ep, "GET", "/models", api_key=api_key)
     if status != 200:
         raise SystemExit(f"error: GET /models answered {status}: {body[:200]!r}; pass --model")
@@ -71,9 +154,6 @@ async def _first_model(ep: Any, api_key: str | None) -> str:
 
 
 async def run_load(args: argparse.Namespace) -> dict[str, Any]:
-    import trio
-
-    from trio_infer.bench.client import Endpoint, StreamResult, stream_sse
 
     ep = Endpoint.parse(args.base_url)
     model = args.model or await _first_model(ep, args.api_key)
@@ -201,8 +281,9 @@ def print_report(res: dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import trio
-
+    resolve_defaults(args)
+    if compare_mode(args):
+        raise SystemExit("error: --baseline/--variant: run trio_infer.bench.versus.main(args)")
     if args.num_prompts < 1:
         raise SystemExit("error: --num-prompts must be >= 1")
     res = trio.run(run_load, args)

@@ -14,6 +14,9 @@ from __future__ import annotations
 import argparse
 import random
 from dataclasses import dataclass
+from typing import Any
+
+from trio_infer.bench import stats
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,33 @@ def make_workload(
         suffix = [rng.randrange(first_id, vocab_size) for _ in range(n_in)]
         requests.append(BenchRequest(prefix + suffix, n_out))
     return requests
+
+
+def warmup_request(workload: list[BenchRequest]) -> BenchRequest:
+    """An untimed request of ordinary tokens: the workload's first 16 prompt ids, 4 new tokens."""
+    return BenchRequest(workload[0].prompt_ids[:16], 4)
+
+
+# The record of one system's run over a workload, the same fields for every system of ``offline``.
+def make_result(workload: list[BenchRequest], out_tokens: list[int], elapsed: float,
+                ttfts: list[float] | None, **extra: Any) -> dict[str, Any]:
+    prompt = sum(r.prompt_len for r in workload)
+    output = sum(out_tokens)
+    res: dict[str, Any] = {
+        "requests": len(workload),
+        "prompt_tokens": prompt,
+        "output_tokens": output,
+        "elapsed_s": elapsed,
+        "output_tok_s": output / elapsed,
+        "total_tok_s": (prompt + output) / elapsed,
+    }
+    if ttfts:
+        prefill_done = max(ttfts)
+        res["ttft_s"] = stats.summarize(ttfts)
+        res["prefill_done_s"] = prefill_done
+        res["prefill_tok_s"] = prompt / prefill_done
+    res.update(extra)
+    return res
 
 
 # Short common English words: with a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen and our
