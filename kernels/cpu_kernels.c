@@ -617,19 +617,24 @@ static inline int int16_format(int fmt) {
 /* Bytes of one prepared row of K values: whole pairs of blocks (an odd last block's partner is 0). */
 static size_t qx_row_bytes(int K) { return (size_t)(K / 32 + 1) / 2 * 2 * QX_BLOCK_BYTES; }
 
+/* max |x| over a block of 32 values. */
+static inline float block_amax(const float *xb) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++)
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * j)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    return _mm_cvtss_f32(m4);
+}
+
 static void quantize_row_q16(int fmt, const float *x, int K, uint8_t *qx, float *dx) {
     const int nb = K / 32;
     memset(qx, 0, qx_row_bytes(K));
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < nb; b++) {
         const float *xb = x + b * 32;
-        __m256 amax = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++)
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * j)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float d = _mm_cvtss_f32(m4) / 32767.0f;
+        const float d = block_amax(xb) / 32767.0f;
         const float id = d > 0.0f ? 1.0f / d : 0.0f;
         dx[b] = d;
         /* round to nearest even, as lrintf in the default rounding mode */
@@ -855,16 +860,9 @@ static void quantize_row_q8(const float *x, int K, int8_t *out, float *dx, float
     const int nb = K / 32;
     int8_t *pairs = out, nat[32];
     if (nb % 2) memset(pairs + (size_t)(nb - 1) / 2 * 64, 0, 64);
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < nb; b++) {
         const float *xb = x + b * 32;
-        __m256 amax = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++)
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * j)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float d = _mm_cvtss_f32(m4) / 127.0f;
+        const float d = block_amax(xb) / 127.0f;
         const float id = d > 0.0f ? 1.0f / d : 0.0f;
         dx[b] = d;
         for (int j = 0; j < 4; j++) {  /* round to nearest even; |v| <= 127 */
