@@ -532,7 +532,8 @@ INLINE __m256 group_f32(int fmt, const uint8_t *row, const uint8_t *meta, int nb
     return fmt == FMT_Q8_0 ? acc : _mm256_fmadd_ps(off, _mm256_loadu_ps(xsum + b), acc);
 }
 
-INLINE float dot_row_fmt(int fmt, const uint8_t *row, const float *x, const float *xsum, int K) {
+INLINE float dot_row_fmt(int fmt, const uint8_t *row, size_t rb, const float *x, const float *xsum,
+                         int K) {
     if (is_16bit(fmt)) {
         __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int k = 0; k < K; k += 32)
@@ -543,7 +544,6 @@ INLINE float dot_row_fmt(int fmt, const uint8_t *row, const float *x, const floa
     }
     const int nb = K / 32;
     const uint8_t *meta = row_meta(fmt, row, nb);
-    const size_t rb = tri_row_bytes(fmt, K);
     __m256 acc = _mm256_setzero_ps();
     int b = 0;
     for (; b + 8 <= nb; b += 8) {
@@ -561,18 +561,18 @@ INLINE float dot_row_fmt(int fmt, const uint8_t *row, const float *x, const floa
 
 /* dot(w_row, x), exact: sum over blocks of scale * dot(codes, x_b) + offset * sum(x_b);
  * ``xsum`` holds sum(x_b) per block. */
-static float dot_row(int fmt, const uint8_t *row, const float *x, const float *xsum, int K) {
+static float dot_row(int fmt, const uint8_t *row, size_t rb, const float *x, const float *xsum, int K) {
     switch (fmt) {
-    case FMT_F16: return dot_row_fmt(FMT_F16, row, x, xsum, K);
-    case FMT_BF16: return dot_row_fmt(FMT_BF16, row, x, xsum, K);
-    case FMT_Q4_0: return dot_row_fmt(FMT_Q4_0, row, x, xsum, K);
-    case FMT_Q4_1: return dot_row_fmt(FMT_Q4_1, row, x, xsum, K);
-    case FMT_Q5_0: return dot_row_fmt(FMT_Q5_0, row, x, xsum, K);
-    case FMT_Q5_1: return dot_row_fmt(FMT_Q5_1, row, x, xsum, K);
-    case FMT_Q8_0: return dot_row_fmt(FMT_Q8_0, row, x, xsum, K);
-    case FMT_Q4_K: return dot_row_fmt(FMT_Q4_K, row, x, xsum, K);
-    case FMT_Q5_K: return dot_row_fmt(FMT_Q5_K, row, x, xsum, K);
-    default: return dot_row_fmt(FMT_Q6_K, row, x, xsum, K);
+    case FMT_F16: return dot_row_fmt(FMT_F16, row, rb, x, xsum, K);
+    case FMT_BF16: return dot_row_fmt(FMT_BF16, row, rb, x, xsum, K);
+    case FMT_Q4_0: return dot_row_fmt(FMT_Q4_0, row, rb, x, xsum, K);
+    case FMT_Q4_1: return dot_row_fmt(FMT_Q4_1, row, rb, x, xsum, K);
+    case FMT_Q5_0: return dot_row_fmt(FMT_Q5_0, row, rb, x, xsum, K);
+    case FMT_Q5_1: return dot_row_fmt(FMT_Q5_1, row, rb, x, xsum, K);
+    case FMT_Q8_0: return dot_row_fmt(FMT_Q8_0, row, rb, x, xsum, K);
+    case FMT_Q4_K: return dot_row_fmt(FMT_Q4_K, row, rb, x, xsum, K);
+    case FMT_Q5_K: return dot_row_fmt(FMT_Q5_K, row, rb, x, xsum, K);
+    default: return dot_row_fmt(FMT_Q6_K, row, rb, x, xsum, K);
     }
 }
 
@@ -754,10 +754,9 @@ INLINE __m256 group_q16(int fmt, const uint8_t *row, const uint8_t *ds, int nb, 
     return fmt == FMT_Q8_0 ? acc : _mm256_fmadd_ps(off, _mm256_loadu_ps(xs + b), acc);
 }
 
-INLINE float dot_row_q16_fmt(int fmt, const uint8_t *row, const uint8_t *qx, const float *dx,
+INLINE float dot_row_q16_fmt(int fmt, const uint8_t *row, size_t rb, const uint8_t *qx, const float *dx,
                              const float *xs, int nb) {
     const uint8_t *ds = row_meta(fmt, row, nb);
-    const size_t rb = tri_row_bytes(fmt, 32 * nb);
     __m256 acc = _mm256_setzero_ps();
     int b = 0;
     for (; b + 8 <= nb; b += 8) {
@@ -786,14 +785,14 @@ INLINE float dot_row_q16_fmt(int fmt, const uint8_t *row, const uint8_t *qx, con
     return hsum(acc) + tail;
 }
 
-static float dot_row_q16(int fmt, const uint8_t *row, const uint8_t *qx, const float *dx,
+static float dot_row_q16(int fmt, const uint8_t *row, size_t rb, const uint8_t *qx, const float *dx,
                          const float *xs, int nb) {
     switch (fmt) {
-    case FMT_Q4_0: return dot_row_q16_fmt(FMT_Q4_0, row, qx, dx, xs, nb);
-    case FMT_Q4_1: return dot_row_q16_fmt(FMT_Q4_1, row, qx, dx, xs, nb);
-    case FMT_Q4_K: return dot_row_q16_fmt(FMT_Q4_K, row, qx, dx, xs, nb);
-    case FMT_Q6_K: return dot_row_q16_fmt(FMT_Q6_K, row, qx, dx, xs, nb);
-    default: return dot_row_q16_fmt(FMT_Q8_0, row, qx, dx, xs, nb);
+    case FMT_Q4_0: return dot_row_q16_fmt(FMT_Q4_0, row, rb, qx, dx, xs, nb);
+    case FMT_Q4_1: return dot_row_q16_fmt(FMT_Q4_1, row, rb, qx, dx, xs, nb);
+    case FMT_Q4_K: return dot_row_q16_fmt(FMT_Q4_K, row, rb, qx, dx, xs, nb);
+    case FMT_Q6_K: return dot_row_q16_fmt(FMT_Q6_K, row, rb, qx, dx, xs, nb);
+    default: return dot_row_q16_fmt(FMT_Q8_0, row, rb, qx, dx, xs, nb);
     }
 }
 
@@ -1174,8 +1173,8 @@ static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *
         const uint8_t *row = lin_row(L, n, &fmt, &rb);
         for (int m = 0; m < M; m++) {
             const float *xs = xsum + (size_t)m * nb * XSUM_PER_BLOCK;
-            const float dot = qx ? dot_row_q16(fmt, row, qx + m * qx_row_bytes(K), dx + (size_t)m * nb, xs, nb)
-                                 : dot_row(fmt, row, x + (size_t)m * K, xs, K);
+            const float dot = qx ? dot_row_q16(fmt, row, rb, qx + m * qx_row_bytes(K), dx + (size_t)m * nb, xs, nb)
+                                 : dot_row(fmt, row, rb, x + (size_t)m * K, xs, K);
             y[(size_t)m * N + n] = dot + (L->bias ? L->bias[n] : 0.0f);
         }
     }
