@@ -49,6 +49,7 @@ from typing import Any
 from trio_infer.bench import procstat, stats
 from trio_infer.bench.client import Endpoint, request
 from trio_infer.bench.procstat import CpuMeter
+from trio_infer.bench.serve import levels_spec
 from trio_infer.bench.servers import (  # noqa: F401  (re-exported: the tests use frontend.*)
     System,
     _log_tail,
@@ -57,16 +58,6 @@ from trio_infer.bench.servers import (  # noqa: F401  (re-exported: the tests us
     start_server,
     stop_server,
 )
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("concurrency levels must be >= 1")
-    return values
 
 
 def _compare_spec(text: str) -> tuple[str, str]:
@@ -95,7 +86,7 @@ def _positive_int(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-ms", type=float, default=20.0,
                    help="simulated compute per engine step; 0 = instant fake model")
-    p.add_argument("--concurrency", type=_int_list, default=[1, 64, 256], metavar="C1,C2,...")
+    p.add_argument("--concurrency", type=levels_spec, default=[1, 64, 256], metavar="C1,C2,...")
     p.add_argument("--output-len", type=int, default=256, help="tokens per stream")
     p.add_argument("--input-len", type=int, default=16, help="prompt words per stream")
     p.add_argument("--rounds", type=int, default=0,
