@@ -6,7 +6,8 @@ template) under ``tokenizer.*``, and the tensors under llama.cpp's own names, mo
 quantized. This module turns one into what :mod:`trio_infer.models.loader` needs for the same
 :class:`~trio_infer.models.llama.LlamaForCausalLM` a safetensors checkpoint builds:
 
-- a transformers config made from the metadata (:meth:`GGUFCheckpoint.open`);
+- a config made from the metadata (:meth:`GGUFCheckpoint.open`), read by our own parser
+  (:mod:`trio_infer.models.gguf_meta`: ``gguf.GGUFReader`` takes seconds over a vocabulary);
 - ``(hf_name, tensor)`` pairs, each dequantized by ``gguf.quants.dequantize`` one at a time (peak
   memory: the model plus one fp32 tensor), renamed to Hugging Face names, and, for the ``llama``
   architecture, with the row permutation llama.cpp's converter applies to q/k undone;
@@ -26,6 +27,7 @@ import re
 from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from kernels.cpu import PackedWeight
+from trio_infer.models.gguf_meta import GGUFMetadata, TensorInfo
 from trio_infer.models.paths import GGUFError, find_gguf  # noqa: F401 (re-exported)
 
 # GGUF ``general.architecture`` -> the Hugging Face architecture our model implements.
@@ -112,26 +115,26 @@ class GGUFCheckpoint:
     path: Path
     gguf_architecture: str  # "llama", "qwen2", "qwen3"
     architecture: str  # the Hugging Face name, e.g. "LlamaForCausalLM"
-    config: Any  # a transformers PretrainedConfig built from the metadata
+    config: Any  # the model's config, built from the metadata (see _config)
     eos_token_ids: tuple[int, ...]
     rope_freq_factors: torch.Tensor | None  # Llama 3 rope scaling, as llama.cpp stores it
-    _reader: Any
+    _meta: GGUFMetadata
 
     @classmethod
     def open(cls, path: str | Path) -> GGUFCheckpoint:
         """Read and check the metadata; raises :class:`GGUFError` on anything we cannot serve."""
         path = Path(path)
-        reader = _open_reader(path)
-        fields = reader.fields
-        arch = _field(fields, "general.architecture")
+        meta = GGUFMetadata.open(path)
+        fields = meta.fields
+        arch = fields.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise GGUFError(
                 f"unsupported GGUF architecture {arch!r} in {path}; "
                 f"supported: {', '.join(GGUF_ARCHITECTURES)}"
             )
-        tensors = {t.name: t for t in reader.tensors}
+        tensors = {t.name: t for t in meta.tensors}
         unsupported = sorted(
-            {f"{t.tensor_type.name} ({t.name})" for t in reader.tensors
+            {f"{t.tensor_type.name} ({t.name})" for t in meta.tensors
              if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES},
         )
         if unsupported:
@@ -145,7 +148,7 @@ class GGUFCheckpoint:
         config = _config(path, arch, fields, tensors)
         rope_freqs = None
         if ROPE_FREQS_TENSOR in tensors:
-            rope_freqs = _dequantize(tensors[ROPE_FREQS_TENSOR]).float()
+            rope_freqs = _dequantize(meta, tensors[ROPE_FREQS_TENSOR]).float()
         return cls(
             path=path,
             gguf_architecture=arch,
@@ -153,12 +156,12 @@ class GGUFCheckpoint:
             config=config,
             eos_token_ids=_eos_token_ids(fields),
             rope_freq_factors=rope_freqs,
-            _reader=reader,
+            _meta=meta,
         )
 
     @property
     def num_tensors(self) -> int:
-        return sum(1 for t in self._reader.tensors if t.name != ROPE_FREQS_TENSOR)
+        return sum(1 for t in self._meta.tensors if t.name != ROPE_FREQS_TENSOR)
 
     def tensor_formats(self) -> dict[str, str]:
         """Hugging Face weight name -> its GGUF tensor type name (``"Q4_1"``, ``"F32"``, ...)."""
@@ -167,7 +170,7 @@ class GGUFCheckpoint:
     def tensor_info(self) -> dict[str, tuple[str, int]]:
         """Hugging Face weight name -> (GGUF type name, number of elements)."""
         return {gguf_tensor_name(t.name): (t.tensor_type.name, int(t.n_elements))
-                for t in self._reader.tensors if t.name != ROPE_FREQS_TENSOR}
+                for t in self._meta.tensors if t.name != ROPE_FREQS_TENSOR}
 
     def iter_weights(
         self, desc: str, keep: Container[str] = ()
@@ -181,7 +184,7 @@ class GGUFCheckpoint:
         num_heads = int(self.config.num_attention_heads)
         num_kv_heads = int(self.config.num_key_value_heads)
         with tqdm(total=self.num_tensors, desc=desc, unit="tensor") as progress:
-            for tensor in self._reader.tensors:
+            for tensor in self._meta.tensors:
                 if tensor.name == ROPE_FREQS_TENSOR:
                     continue  # folded into the rotary table (see rope_freq_factors)
                 name = gguf_tensor_name(tensor.name)
@@ -189,7 +192,7 @@ class GGUFCheckpoint:
                 if name in keep:
                     weight = _blocks(self.path, tensor)
                 else:
-                    weight = _dequantize(tensor)
+                    weight = _dequantize(self._meta, tensor)
                 heads = 0
                 if permute and ".self_attn.q_proj." in name:
                     heads = num_heads
@@ -220,34 +223,17 @@ def load_gguf_tokenizer(path: Path) -> Any:
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def _open_reader(path: Path) -> Any:
-    from gguf import GGUFReader
+def _config(path: Path, arch: str, fields: dict[str, Any], tensors: dict[str, TensorInfo]) -> Any:
+    """The model's config from the ``<arch>.*`` metadata and the tensor list.
 
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
-    size = path.stat().st_size
-    try:
-        return GGUFReader(str(path))
-    except Exception as exc:  # numpy reshape/index errors for a short file, magic errors, ...
-        raise GGUFError(
-            f"cannot read GGUF file {path} ({size} bytes): it is truncated or corrupt "
-            f"({type(exc).__name__}: {exc})"
-        ) from exc
-
-
-def _field(fields: dict[str, Any], key: str, default: Any = None) -> Any:
-    field = fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def _config(path: Path, arch: str, fields: dict[str, Any], tensors: dict[str, Any]) -> Any:
-    """A transformers config for ``arch`` from the ``<arch>.*`` metadata and the tensor list."""
-    from transformers import AutoConfig
+    A plain namespace of the fields :class:`~trio_infer.models.llama.LlamaSpec` and the rotary
+    table read (``rope_parameters`` as transformers 5 spells it), unless the file scales its rope
+    (linear, yarn): the scaled frequencies come from transformers' own functions, which take a
+    transformers config. Importing transformers' config machinery costs about a second of a
+    start-up, and a plain model does not need it."""
 
     def meta(key: str, default: Any = None, required: bool = False) -> Any:
-        value = _field(fields, f"{arch}.{key}", default)
+        value = fields.get(f"{arch}.{key}", default)
         if value is None and required:
             raise GGUFError(f"{path} lacks the metadata key {arch}.{key}")
         return value
@@ -255,9 +241,10 @@ def _config(path: Path, arch: str, fields: dict[str, Any], tensors: dict[str, An
     hidden = int(meta("embedding_length", required=True))
     heads = int(meta("attention.head_count", required=True))
     kv_heads = meta("attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):  # per-layer counts: only a uniform list is a plain model
-        if len(set(kv_heads)) != 1:
-            raise GGUFError(f"{path}: per-layer kv head counts {kv_heads} are not supported")
+    if isinstance(kv_heads, np.ndarray):  # per-layer counts: only a uniform list is a plain model
+        if len(set(kv_heads.tolist())) != 1:
+            raise GGUFError(
+                f"{path}: per-layer kv head counts {kv_heads.tolist()} are not supported")
         kv_heads = kv_heads[0]
     head_dim = int(meta("attention.key_length", hidden // heads))
     value_dim = int(meta("attention.value_length", head_dim))
@@ -300,34 +287,38 @@ def _config(path: Path, arch: str, fields: dict[str, Any], tensors: dict[str, An
         max_position_embeddings=int(meta("context_length", required=True)),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=_field(fields, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(fields, "tokenizer.ggml.eos_token_id"),
-        **rope,
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
     )
     if arch == "llama":
         kwargs["attention_bias"] = has("attn_q.bias") or has("attn_output.bias")
         kwargs["mlp_bias"] = has("ffn_gate.bias")
     elif arch == "qwen3":
         kwargs["attention_bias"] = has("attn_q.bias")
-    return AutoConfig.for_model(arch, **kwargs)
+    if "rope_scaling" in rope:
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(arch, **kwargs, **rope)
+    return SimpleNamespace(model_type=arch, **kwargs, rope_parameters={
+        "rope_type": "default", "rope_theta": rope["rope_theta"]})
 
 
 def _eos_token_ids(fields: dict[str, Any]) -> tuple[int, ...]:
     """End-of-sequence ids: the file's EOS, then its end-of-turn / end-of-message tokens if set."""
     keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
             "tokenizer.ggml.eom_token_id")
-    ids = [int(v) for key in keys if (v := _field(fields, key)) is not None]
+    ids = [int(v) for key in keys if (v := fields.get(key)) is not None]
     return tuple(dict.fromkeys(ids))
 
 
-def _blocks(path: Path, tensor: Any) -> PackedWeight:
+def _blocks(path: Path, tensor: TensorInfo) -> PackedWeight:
     """One GGUF tensor packed for the kernels (:meth:`PackedWeight.from_blocks`), its blocks read
     from the file into a buffer of its own (freed once packed), not through the memory map."""
     fmt = tensor.tensor_type.name
-    rows, cols = (int(d) for d in reversed(tensor.shape.tolist()))
-    raw = np.empty(int(tensor.n_bytes), dtype=np.uint8)
+    rows, cols = reversed(tensor.shape)
+    raw = np.empty(tensor.n_bytes, dtype=np.uint8)
     with open(path, "rb") as f:
-        f.seek(int(tensor.data_offset))
+        f.seek(tensor.data_offset)
         if f.readinto(memoryview(raw)) != raw.size:
             raise GGUFError(f"{path}: {tensor.name} ends past the end of the file")
     if raw.size % rows:
@@ -338,12 +329,12 @@ def _blocks(path: Path, tensor: Any) -> PackedWeight:
         raise GGUFError(f"{tensor.name}: {exc}") from exc
 
 
-def _dequantize(tensor: Any) -> torch.Tensor:
+def _dequantize(meta: GGUFMetadata, tensor: TensorInfo) -> torch.Tensor:
     """One GGUF tensor as an fp32 torch tensor of its Hugging Face shape (rows, cols)."""
     from gguf.quants import dequantize
 
-    array = dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists cols first
+    array = dequantize(meta.tensor_data(tensor), tensor.tensor_type)
+    shape = tuple(reversed(tensor.shape))  # GGUF lists cols first
     array = np.asarray(array, dtype=np.float32).reshape(shape)
     if not array.flags.writeable:  # F32 tensors come back as views of the read-only memmap
         array = array.copy()
