@@ -44,7 +44,7 @@ def tokenizer(tiny_checkpoint: Path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def grammars(model, tokenizer) -> Grammars:  # type: ignore[no-untyped-def]
-    return build_grammars(model, tokenizer)
+    return build_grammars(model, lambda: tokenizer)
 
 
 def make(model, grammars, **config) -> Engine:  # type: ignore[no-untyped-def]
@@ -143,7 +143,7 @@ def test_grammar_state_is_released_on_abort_and_failed_step(model, grammars) -> 
 
 
 def test_compiles_are_cached_by_source_and_matchers_are_not_shared(model, tokenizer) -> None:
-    grammars = build_grammars(model, tokenizer)
+    grammars = build_grammars(model, lambda: tokenizer)
     engine = make(model, grammars)
     engine.add_request("a", [5, 6], SamplingParams(grammar=SOURCE))
     engine.add_request("b", [5, 6], SamplingParams(grammar=SOURCE))

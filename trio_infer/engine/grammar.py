@@ -7,7 +7,8 @@ into an ``LLMatcher`` when the request is added and keeps the matcher on the
 :class:`~trio_infer.engine.sequence.Sequence`, so it lives exactly as long as the sequence:
 
 * created in ``Engine.add_request`` (compiling is cached by source: a second request with the
-  same schema copies a compiled matcher instead of compiling again);
+  same schema copies a compiled matcher instead of compiling again; the worker's first one also
+  builds llguidance's view of the tokenizer, see :meth:`Grammars.deferred`);
 * advanced in ``Engine.commit`` by every token the sequence accepts;
 * dropped with the sequence on every way out (finish, abort, a failed step, the worker's death);
   preemption keeps every token, so the matcher, which has consumed exactly those tokens, stays
@@ -24,11 +25,10 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
+import llguidance.numpy
 import numpy as np
 import torch
 
@@ -40,11 +40,17 @@ class Grammars:
     ``matcher(source)`` gives a fresh matcher (a copy of the cached compiled one). It raises
     ValueError for a grammar that does not compile (the front end validated it already; this is
     a safety net for the worker).
+
+    ``tokenizer`` is llguidance's tokenizer, or a function that builds it: then it is built by
+    the first :meth:`matcher` call (see :meth:`deferred`).
     """
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, vocab_size: int, cache_size: int = 64) -> None:
+    def __init__(self, tokenizer: llguidance.LLTokenizer | Callable[[], llguidance.LLTokenizer],
+                 vocab_size: int, cache_size: int = 64) -> None:
         self.vocab_size = vocab_size
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer if isinstance(tokenizer, llguidance.LLTokenizer) else None
+        self._build = None if self._tokenizer is not None else tokenizer
+        self._build_lock = threading.Lock()
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
         # Mask computation runs llguidance's own thread pool (Rust, no GIL): at most 2 threads, so
@@ -55,9 +61,31 @@ class Grammars:
     def for_hf_tokenizer(cls, tokenizer: Any, vocab_size: int, eos_token_ids: Seq[int]) -> Grammars:
         """For a Hugging Face tokenizer; the model's logits may be wider than its vocabulary
         (padding ids, never allowed), and its EOS ids are the engine's."""
-        return cls(llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
-        ), vocab_size)
+        return cls(_from_hf(tokenizer, vocab_size, eos_token_ids), vocab_size)
+
+    @classmethod
+    def deferred(cls, load_tokenizer: Callable[[], Any], vocab_size: int,
+                 eos_token_ids: Seq[int]) -> Grammars:
+        """As :meth:`for_hf_tokenizer`, with the Hugging Face tokenizer loaded, and llguidance's
+        view of it built (about half a second, and transformers imported: a second more), by
+        the first constrained request rather than before the worker is ready: most workers
+        never see one, and none should make every start wait for it."""
+        eos = tuple(eos_token_ids)
+        return cls(lambda: _from_hf(load_tokenizer(), vocab_size, eos), vocab_size)
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's tokenizer, built now if it was deferred. A build that fails raises
+        ValueError (the request that needed it is refused) and is tried again next time."""
+        with self._build_lock:
+            if self._tokenizer is None:
+                assert self._build is not None
+                try:
+                    self._tokenizer = self._build()
+                except Exception as exc:
+                    raise ValueError(f"the tokenizer for grammars could not be built: {exc}") from exc
+                self._build = None
+            return self._tokenizer
 
     def matcher(self, source: str) -> llguidance.LLMatcher:
         compiled = self._cache.get(source)
@@ -77,6 +105,13 @@ class Grammars:
         return len(self._cache)
 
 
+def _from_hf(tokenizer: Any, vocab_size: int, eos_token_ids: Seq[int]) -> llguidance.LLTokenizer:
+    import llguidance.hf  # imports transformers: only when a tokenizer is built
+
+    return llguidance.hf.from_tokenizer(
+        tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+
+
 class TokenMasks:
     """The token masks of one step's constrained rows, computed in a thread.
 
@@ -89,7 +124,9 @@ class TokenMasks:
         self.rows = rows
         self._matchers = matchers
         self._grammars = grammars
-        self.bitmask = llguidance.torch.allocate_token_bitmask(len(rows), grammars.vocab_size)
+        # numpy's helpers, not llguidance.torch's: importing those runs a torch.compile
+        # decorator, which imports dynamo and inductor (2-3 s of the worker's start-up).
+        self.bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), grammars.vocab_size)
         self.bias: torch.Tensor | None = None  # [len(rows), vocab]: 0 allowed, -inf forbidden
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._compute, name="token-masks", daemon=True)
@@ -106,7 +143,7 @@ class TokenMasks:
 
     def _compute(self) -> None:
         try:
-            llguidance.torch.fill_next_token_bitmask_par(
+            llguidance.numpy.fill_next_token_bitmask_par(
                 self._grammars.executor, [(m, j) for j, m in enumerate(self._matchers)], self.bitmask
             )
             # numpy, single-threaded: torch ops in this thread would start an OpenMP team of
@@ -142,13 +179,13 @@ class TokenMasks:
 _BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # forbidden, allowed (a gather: np.where is 4x slower)
 
 
-def _unpack(bitmask: torch.Tensor, vocab: int) -> np.ndarray:
+def _unpack(bitmask: np.ndarray, vocab: int) -> np.ndarray:
     """llguidance's packed int32 bitmask [R, ceil(V/32)] as a bool array [R, vocab]: bit b of
     word w is token 32*w + b, little-endian, so bit k of byte j is token 8*j + k."""
-    packed = bitmask.numpy().view(np.uint8)
+    packed = bitmask.view(np.uint8)
     return np.unpackbits(packed, axis=1, count=vocab, bitorder="little").view(np.bool_)
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+def unpack_bitmask(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
     """:func:`_unpack` as a torch tensor."""
     return torch.from_numpy(_unpack(bitmask, vocab))

@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 
 from trio_infer.models.paths import TINY_MODEL_NAME
-from trio_infer.models.synthetic import SHAPES, build_random_checkpoint
 
 TINY_MODEL_DIRNAME = "tiny-model"
 # A checkpoint folder may hold this one-line file naming the id it is served under by default;
@@ -33,6 +32,10 @@ def ensure_tiny_model(cache_dir: Path) -> Path:
     target = Path(cache_dir) / TINY_MODEL_DIRNAME
     if target.is_dir():
         return target
+    # Imported only to build it: synthetic.py imports transformers' model code (a second and
+    # more), which the model loader, importing this module for SERVED_NAME_FILE, never needs.
+    from trio_infer.models.synthetic import SHAPES, build_random_checkpoint
+
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL_DIRNAME}-", dir=target.parent))
     try:

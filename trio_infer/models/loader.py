@@ -15,11 +15,11 @@ import logging
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from trio_infer.models.base import CausalLM, ModelInfo
 from trio_infer.models.default_model import (
@@ -35,6 +35,12 @@ from trio_infer.models.llama import (
     build_cos_sin_cache,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# transformers is imported where a Hugging Face folder's config or tokenizer is read, not here: a
+# GGUF model needs neither, and the import costs the worker's start-up about a second.
+
 log = logging.getLogger(__name__)
 
 
@@ -44,6 +50,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     gguf_file = find_gguf(path)
     if gguf_file is not None:
         return load_gguf_tokenizer(gguf_file)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))
 
 
@@ -92,6 +100,8 @@ def load_model(
             )
     else:
         architecture = _architecture(path)
+        from transformers import AutoConfig
+
         config = AutoConfig.from_pretrained(str(path))
         eos_ids = eos_token_ids(path, config)
         weights = partial(_iter_safetensors, path)

@@ -51,7 +51,7 @@ def build_engine(settings: Settings, progress: Progress | None = None) -> Engine
             name=settings.served_model_name or FAKE_MODEL,
             step_s=settings.fake_step_ms / 1000,
         )
-        return Engine(model, config, device="cpu", grammars=build_grammars(model, tokenizer))
+        return Engine(model, config, device="cpu", grammars=build_grammars(model, lambda: tokenizer))
 
     from trio_infer.models.loader import load_model, resolve_model_path
 
@@ -62,16 +62,20 @@ def build_engine(settings: Settings, progress: Progress | None = None) -> Engine
                            keep_blocks=None if settings.keep_gguf_blocks else False,
                            activations=settings.activations)
     report("engine", None, None)
-    return Engine(model, config, device=device, grammars=build_grammars(model, build_tokenizer(settings)))
+    return Engine(model, config, device=device,
+                  grammars=build_grammars(model, lambda: build_tokenizer(settings)))
 
 
-def build_grammars(model: Any, tokenizer: Any) -> Any:
+def build_grammars(model: Any, load_tokenizer: Callable[[], Any]) -> Any:
     """The compiler of constrained requests' grammars, over the model's vocabulary (its logits
-    may be wider than the tokenizer: those ids are never allowed)."""
+    may be wider than the tokenizer: those ids are never allowed). ``load_tokenizer`` is called
+    by the first constrained request, not now: the worker is ready without the tokenizer
+    (loading it and building llguidance's tables would add a second or two to every start, for
+    requests most workers never get)."""
     from trio_infer.engine.grammar import Grammars
 
     info = model.info
-    return Grammars.for_hf_tokenizer(tokenizer, info.vocab_size, info.eos_token_ids)
+    return Grammars.deferred(load_tokenizer, info.vocab_size, info.eos_token_ids)
 
 
 @contextmanager
