@@ -8,8 +8,9 @@ once, however long the model takes (hypercorn fails a lifespan startup that take
 
 Lifecycle of the worker inside the app:
 
-* loading: the tokenizer (thread), then ``open_engine``: the worker process starts, loads the
-  model (reporting its progress) and says hello -> serving. Meanwhile ``/health`` answers 503
+* loading: ``open_engine`` starts the worker process at once, and it loads the model (reporting
+  its progress) and says hello while this process loads the tokenizer in a thread; serving once
+  both are done. Meanwhile ``/health`` answers 503
   (``loading``), ``/v1/status`` says how far the load got, and every API request gets 503 with
   ``Retry-After``. A load that fails is logged and raised out of the app's nursery as
   :class:`LoadFailed`, which stops the server: the process exits non-zero.
@@ -108,23 +109,35 @@ def create_app(
 
 
 async def load_and_serve(nursery: trio.Nursery, state: ServerState) -> None:
-    """Load the tokenizer, then start the batching worker in ``nursery`` and serve once it has
-    loaded the model; ``state.loading`` says how far it got meanwhile. Raises :class:`LoadFailed`
-    (after logging why) if either cannot be loaded."""
+    """Start the batching worker in ``nursery`` and load the tokenizer meanwhile; serve once the
+    worker has loaded the model and the tokenizer is here. ``state.loading`` says how far the
+    load got. Raises :class:`LoadFailed` (after logging why) if either cannot be loaded.
+
+    The two overlap: the worker's imports and model load take seconds of one process, the
+    tokenizer (transformers' import, the file's hash for the cache key, the cached tokenizer)
+    a second or more of this one; one after the other, the start would take their sum."""
     settings = state.settings
-    try:
+    loaded: list[Any] = []
+
+    async def load_tokenizer() -> None:
         from trio_infer.runtime.tokenizer import build_tokenizer
 
-        state.loading = Loading("tokenizer")
         # Abandoned on cancellation: a shutdown mid-load need not wait for a conversion.
-        tokenizer = await trio.to_thread.run_sync(build_tokenizer, settings, abandon_on_cancel=True)
+        loaded.append(await trio.to_thread.run_sync(build_tokenizer, settings,
+                                                    abandon_on_cancel=True))
+
+    try:
         state.loading = Loading("worker")
-        engine = await nursery.start(_run_engine, state, None)
+        async with trio.open_nursery() as loads:
+            loads.start_soon(load_tokenizer)
+            engine = await nursery.start(_run_engine, state, None)
+            if not loaded:  # the worker was quicker
+                state.loading = Loading("tokenizer")
     except Exception as exc:
         reason = _innermost(exc)
         log.error("the model could not be loaded: %s", reason)
         raise LoadFailed(reason) from exc
-    state.serve(engine, tokenizer)
+    state.serve(engine, loaded[0])
 
 
 def _innermost(exc: BaseException) -> str:

@@ -83,7 +83,8 @@ class Grammars:
                 try:
                     self._tokenizer = self._build()
                 except Exception as exc:
-                    raise ValueError(f"the tokenizer for grammars could not be built: {exc}") from exc
+                    raise ValueError(
+                        f"the tokenizer for grammars could not be built: {exc}") from exc
                 self._build = None
             return self._tokenizer
 

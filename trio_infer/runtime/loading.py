@@ -51,7 +51,8 @@ def build_engine(settings: Settings, progress: Progress | None = None) -> Engine
             name=settings.served_model_name or FAKE_MODEL,
             step_s=settings.fake_step_ms / 1000,
         )
-        return Engine(model, config, device="cpu", grammars=build_grammars(model, lambda: tokenizer))
+        return Engine(model, config, device="cpu",
+                      grammars=build_grammars(model, lambda: tokenizer))
 
     from trio_infer.models.loader import load_model, resolve_model_path
 

@@ -21,8 +21,9 @@ FAKE_MODEL = "fake"
 
 def build_tokenizer(settings: Settings) -> Any:
     """The tokenizer of the model the settings name (the front end needs it; the worker for the
-    grammars of constrained requests, and for the fake model's vocabulary). A GGUF file's is
-    converted once and then read from ``cache_dir/tokenizers`` (runtime/tokenizer_cache.py)."""
+    grammars of its first constrained request, and for the fake model's vocabulary). A GGUF
+    file's is converted once and then read from ``cache_dir/tokenizers``
+    (runtime/tokenizer_cache.py)."""
     if settings.model == FAKE_MODEL:
         tok_dir = settings.cache_dir / "fake-tokenizer"
         if not (tok_dir / "tokenizer.json").exists():
