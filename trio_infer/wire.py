@@ -190,7 +190,7 @@ ToWorker = Union[Start, Add, Abort, Credit]
 
 class Loading(msgspec.Struct, tag="loading", array_like=True):
     """Where a load stands, for ``/v1/status``. Phases: ``"weights"`` (``done`` of ``total``
-    tensors read), then ``"engine"`` (the grammar tables and the KV cache); the front end adds its
+    tensors read), then ``"engine"`` (the KV cache); the front end adds its
     own, ``"tokenizer"`` and ``"worker"`` (the process is starting). Counts are None where
     nothing is counted."""
 
