@@ -8,7 +8,8 @@ once, however long the model takes (hypercorn fails a lifespan startup that take
 
 Lifecycle of the worker inside the app:
 
-* loading: the tokenizer (thread), then ``open_engine``: the worker process starts, loads the
+* loading: the tokenizer (thread), then ``open_engine`` (``open_data_parallel`` with
+  ``--data-parallel N``: N workers, ``runtime/data_parallel.py``): the worker process starts, loads the
   model (reporting its progress) and says hello -> serving. Meanwhile ``/health`` answers 503
   (``loading``), ``/v1/status`` says how far the load got, and every API request gets 503 with
   ``Retry-After``. A load that fails is logged and raised out of the app's nursery as
@@ -38,6 +39,7 @@ from trio_infer.api.routes import register_routes
 from trio_infer.api.state import ServerState, server_state
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import open_engine
+from trio_infer.runtime.data_parallel import open_data_parallel
 from trio_infer.runtime.errors import EngineUnavailable
 from trio_infer.settings import Settings, Wiring
 from trio_infer.wire import Loading
@@ -140,7 +142,15 @@ async def _run_engine(
     def on_loading(loading: Loading | None) -> None:
         state.loading = loading
 
-    async with open_engine(state.settings, engine, state.metrics, on_loading=on_loading,
+    settings = state.settings
+    if settings.data_parallel > 1 and engine is None:
+        # N worker processes behind this front end (never under a supervisor: Settings refuses
+        # data_parallel with api_workers).
+        group = open_data_parallel(settings, state.metrics, on_loading=on_loading)
+        async with group as data_parallel:
+            task_status.started(data_parallel)
+            await trio.sleep_forever()
+    async with open_engine(settings, engine, state.metrics, on_loading=on_loading,
                            wiring=state.wiring) as async_engine:
         task_status.started(async_engine)
         await trio.sleep_forever()
