@@ -194,3 +194,91 @@ async def test_gauges_are_the_sum_over_the_workers() -> None:
     assert values["trio_infer_requests_waiting"] == 3 == values["vllm:num_requests_waiting"]
     assert values["vllm:kv_cache_usage_perc"] == 0.25 == values["vllm:gpu_cache_usage_perc"]
     assert values["trio_infer_kv_cache_usage_ratio"] == 0.25
+
+
+# -- serve --data-parallel 2, with worker processes -----------------------------------------------
+
+
+def test_serve_data_parallel_loading_a_killed_worker_and_the_gateway_metrics(tmp_path) -> None:
+    """``serve --data-parallel 2`` (fake model, worker processes): 503 ``loading`` until the
+    workers are up; under 16 streams, ``kill -9`` of one worker fails only the streams it served
+    while ``/health`` stays 200 (the other serves); it is restarted alone, the group serves again,
+    and the gauges (ours and the gateway's names) come back to 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    import httpx
+
+    from .test_worker_process import alive, children, free_port, health, stream_events, wait_for
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trio_infer", "serve", "--model", "fake", "--port", str(port),
+         "--cache-dir", str(tmp_path), "--data-parallel", "2", "--fake-step-ms", "5",
+         "--worker-restart-delay-s", "0.1", "--shutdown-grace-s", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TRIO_INFER_TEST_LOAD_DELAY_S": "1"},
+    )
+    try:
+        wait_for(lambda: health(url) != 0 or proc.poll() is not None, 120, "the server to listen")
+        loading = httpx.get(url + "/health")
+        assert loading.status_code == 503 and loading.json()["error"]["message"] == "loading"
+        assert httpx.get(url + "/v1/models").status_code == 503
+        wait_for(lambda: health(url) == 200 or proc.poll() is not None, 120, "the workers")
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        workers = children(proc.pid)
+        assert len(workers) == 2, workers
+        metrics = httpx.get(url + "/metrics").text
+        assert 'vllm:cache_config_info{block_size="16"' in metrics
+
+        # Prompts shorter than a page: no affinity, so least loaded alternates the workers.
+        bodies = [{"model": "fake", "prompt": f"p{i}", "max_tokens": 400, "ignore_eos": True,
+                   "stream": True} for i in range(16)]
+        started = threading.Barrier(17)
+        results: list = [None] * 16
+
+        def run(i: int) -> None:
+            try:
+                results[i] = stream_events(url, bodies[i], started)
+            except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
+                results[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        started.wait(timeout=60)
+        victim = min(workers)
+        os.kill(victim, signal.SIGKILL)
+        healthy_during = [health(url) for _ in range(5)]
+        for t in threads:
+            t.join(timeout=120)
+        failed = [r for r in results if isinstance(r, list) and "error" in r[-2]]
+        finished = [r for r in results if isinstance(r, list) and "error" not in r[-2]]
+        assert len(failed) + len(finished) == 16, [r for r in results if not isinstance(r, list)]
+        assert all(r[-2]["error"]["code"] == "service_unavailable" for r in failed)
+        assert all(r[-2]["choices"][0]["finish_reason"] == "length" for r in finished)
+        assert 0 < len(failed) < 16 and len(finished) > 0, (len(failed), len(finished))
+        assert all(code == 200 for code in healthy_during), healthy_during
+
+        wait_for(lambda: len(children(proc.pid)) == 2 and victim not in children(proc.pid), 60,
+                 "the killed worker to be restarted")
+        assert not alive(victim)
+        ok = [httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": "fake", "prompt": f"again {i}", "max_tokens": 5}) for i in range(4)]
+        assert all(r.status_code == 200 for r in ok), [r.text for r in ok]
+        metrics = httpx.get(url + "/metrics").text
+        for line in ("trio_infer_sessions_active 0.0", "trio_infer_requests_running 0.0",
+                     "vllm:num_requests_running 0.0", "vllm:num_requests_waiting 0.0"):
+            assert line in metrics, line
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, output[-3000:]
+        assert output.count("restarting the batching worker (1 of at most") == 1, output[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
