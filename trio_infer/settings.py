@@ -145,7 +145,7 @@ class Settings(BaseSettings):
     data_parallel: int = Field(
         1, ge=1, description="Batching workers, each with its own engine, KV cache (kv_cache_mb "
         "each) and share of the threads, behind the front end; a request is routed by dp_routing "
-        "and a worker that dies fails only its own requests. Not with api_workers > 1.",
+        "and a worker that dies fails only its own requests (serve only; not with api_workers > 1).",
     )
     dp_routing: Literal["affinity", "round_robin"] = Field(
         "affinity", description="With data_parallel > 1, which worker serves a request: "

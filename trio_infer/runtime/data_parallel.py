@@ -182,6 +182,11 @@ def worker_settings(settings: Settings) -> list[Settings]:
             for t in thread_shares(total, n)]
 
 
+def _process(settings: Settings) -> Connect:
+    """A worker process's ``Connect`` (a new process at every start, as with one worker)."""
+    return lambda: open_worker_process(settings)
+
+
 @asynccontextmanager
 async def open_data_parallel(
     settings: Settings, metrics: Metrics | None = None, *, on_loading: OnLoading | None = None,
@@ -195,7 +200,7 @@ async def open_data_parallel(
     the whole start, as with one worker."""
     metrics = metrics or Metrics()
     if connects is None:
-        connects = [lambda s=s: open_worker_process(s) for s in worker_settings(settings)]  # type: ignore[misc]
+        connects = [_process(s) for s in worker_settings(settings)]
     views = metrics.shares(len(connects))
     workers = [AsyncEngine(settings, connect, view, restart=restart, on_loading=on_loading)
                for connect, view in zip(connects, views)]
