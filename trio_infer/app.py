@@ -8,9 +8,10 @@ once, however long the model takes (hypercorn fails a lifespan startup that take
 
 Lifecycle of the worker inside the app:
 
-* loading: ``open_engine`` starts the worker process at once, and it loads the model (reporting
-  its progress) and says hello while this process loads the tokenizer in a thread; serving once
-  both are done. Meanwhile ``/health`` answers 503
+* loading: ``open_engine`` (``open_data_parallel`` with ``--data-parallel N``: N workers,
+  ``runtime/data_parallel.py``) starts the worker process at once, and it loads the model
+  (reporting its progress) and says hello while this process loads the tokenizer in a thread;
+  serving once both are done. Meanwhile ``/health`` answers 503
   (``loading``), ``/v1/status`` says how far the load got, and every API request gets 503 with
   ``Retry-After``. A load that fails is logged and raised out of the app's nursery as
   :class:`LoadFailed`, which stops the server: the process exits non-zero.
@@ -39,6 +40,7 @@ from trio_infer.api.routes import register_routes
 from trio_infer.api.state import ServerState, server_state
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import open_engine
+from trio_infer.runtime.data_parallel import open_data_parallel
 from trio_infer.runtime.errors import EngineUnavailable
 from trio_infer.settings import Settings, Wiring
 from trio_infer.wire import Loading
@@ -153,9 +155,16 @@ async def _run_engine(
     def on_loading(loading: Loading | None) -> None:
         state.loading = loading
 
-    async with open_engine(state.settings, engine, state.metrics, on_loading=on_loading,
-                           wiring=state.wiring) as async_engine:
-        task_status.started(async_engine)
+    settings = state.settings
+    if settings.data_parallel > 1 and engine is None:
+        # N worker processes behind this front end (never under a supervisor: Settings refuses
+        # data_parallel with api_workers).
+        opened = open_data_parallel(settings, state.metrics, on_loading=on_loading)
+    else:
+        opened = open_engine(settings, engine, state.metrics, on_loading=on_loading,
+                             wiring=state.wiring)
+    async with opened as serving:
+        task_status.started(serving)
         await trio.sleep_forever()
 
 

@@ -4,24 +4,108 @@ Every family registered here is fed (tests/api/test_metrics.py fails otherwise).
 queue-time histogram (vLLM's ``request_queue_time_seconds``): the front end does not see when
 the worker's scheduler admits a sequence, only its first token (``time_to_first_token``); the
 waiting queue's length is ``requests_waiting``.
+
+**Gateway names.** An inference gateway (the Gateway API Inference Extension's endpoint picker,
+llm-d, SGLang's router) scrapes a model server for its queue, its running requests and how full
+its KV cache is, under the names of the extension's model-server protocol, which are vLLM's:
+``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` (a
+ratio in [0, 1] despite the name; ``vllm:gpu_cache_usage_perc`` is the older name of the same)
+and ``vllm:cache_config_info`` (its ``block_size`` label: the page size, for prefix-aware
+scheduling). They are mirrors: whoever sets ``requests_waiting`` sets the gateway's name too
+(:class:`_Mirrored`), so the two can never disagree and nothing else feeds them.
+
+**Data parallelism.** ``serve --data-parallel N`` runs N front-end engines, each setting its
+gauges from its own worker; :meth:`Metrics.shares` gives each one a view in which every gauge is
+its share of a sum, so the families the server exports are the group's totals (a gateway routes
+to the server, not to its workers). Counters and histograms are shared as they are.
 """
 
 from __future__ import annotations
+
+import copy
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+class _Mirrored(Gauge):
+    """A gauge whose every value is also passed to ``mirrors`` (the gateway's names)."""
+
+    mirrors: tuple[Callable[[float], None], ...] = ()
+
+    def set(self, value: float) -> None:
+        super().set(value)
+        for mirror in self.mirrors:
+            mirror(value)
+
+
+class _Ratio:
+    """``used / total`` kept in ``gauges`` (0 while total is 0: nothing loaded)."""
+
+    def __init__(self, *gauges: Gauge) -> None:
+        self._gauges = gauges
+        self._used = 0.0
+        self._total = 0.0
+
+    def used(self, value: float) -> None:
+        self._used = value
+        self._update()
+
+    def total(self, value: float) -> None:
+        self._total = value
+        self._update()
+
+    def _update(self) -> None:
+        ratio = self._used / self._total if self._total > 0 else 0.0
+        for gauge in self._gauges:
+            gauge.set(ratio)
+
+
+class _GaugeShare:
+    """One engine's part of a gauge summed over ``parts`` engines: setting it sets the gauge to
+    the sum of the latest values of every part."""
+
+    def __init__(self, gauge: Gauge, parts: list[float], index: int) -> None:
+        self._gauge = gauge
+        self._parts = parts
+        self._index = index
+
+    def set(self, value: float) -> None:
+        self._parts[self._index] = float(value)
+        self._gauge.set(sum(self._parts))
+
+    def inc(self, amount: float = 1) -> None:
+        self.set(self._parts[self._index] + amount)
+
+    def dec(self, amount: float = 1) -> None:
+        self.set(self._parts[self._index] - amount)
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         p = "trio_infer_"
-        self.requests_running = Gauge(p + "requests_running", "Sequences admitted", registry=r)
-        self.requests_waiting = Gauge(p + "requests_waiting", "Sequences queued", registry=r)
+        mirrored = lambda name, doc, *mirrors: _mirrored(p + name, doc, r, mirrors)  # noqa: E731
+        gateway = lambda name, doc: Gauge(name, doc, registry=r)  # noqa: E731
+        waiting = gateway("vllm:num_requests_waiting", "Requests waiting (gateway name)")
+        running = gateway("vllm:num_requests_running", "Requests running (gateway name)")
+        kv_usage = _Ratio(
+            gateway(p + "kv_cache_usage_ratio", "KV pages in use / KV pages in the pool"),
+            gateway("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full (gateway name)"),
+            gateway("vllm:gpu_cache_usage_perc", "KV-cache usage, 1 = full (older gateway name)"),
+        )
+        self.cache_config_info = Gauge(
+            "vllm:cache_config_info", "The KV cache's page size (block_size) and page count "
+            "(num_gpu_blocks) as labels, for prefix-aware gateways", ["block_size", "num_gpu_blocks"],
+            registry=r,
+        )
+        self.requests_running = mirrored("requests_running", "Sequences admitted", running.set)
+        self.requests_waiting = mirrored("requests_waiting", "Sequences queued", waiting.set)
         self.sessions_active = Gauge(p + "sessions_active", "Live request sessions", registry=r)
-        self.kv_pages_used = Gauge(p + "kv_pages_used", "KV pages in use", registry=r)
-        self.kv_pages_total = Gauge(p + "kv_pages_total", "KV pages in the pool", registry=r)
+        self.kv_pages_used = mirrored("kv_pages_used", "KV pages in use", kv_usage.used)
+        self.kv_pages_total = mirrored("kv_pages_total", "KV pages in the pool", kv_usage.total)
         self.kv_pages_cached = Gauge(p + "kv_pages_cached", "KV pages held by the prefix cache", registry=r)
         self.requests_total = Counter(
             p + "requests", "Finished sequences", ["finish_reason"], registry=r
@@ -41,6 +125,24 @@ class Metrics:
         for reason in ("stop", "length", "abort", "error"):
             self.requests_total.labels(finish_reason=reason)
 
+    def set_cache_config(self, page_size: int, num_pages: int) -> None:
+        """The KV cache's shape, once the engine is loaded (``vllm:cache_config_info``)."""
+        self.cache_config_info.clear()
+        self.cache_config_info.labels(block_size=str(page_size), num_gpu_blocks=str(num_pages)).set(1)
+
+    def shares(self, n: int) -> list[Metrics]:
+        """``n`` views of these metrics for ``n`` data-parallel engines: the same counters and
+        histograms, and every gauge replaced by that engine's share of a sum."""
+        parts = {name: [0.0] * n for name, value in vars(self).items()
+                 if isinstance(value, Gauge) and value is not self.cache_config_info}
+        views = []
+        for i in range(n):
+            view = copy.copy(self)
+            for name in parts:
+                setattr(view, name, _GaugeShare(getattr(self, name), parts[name], i))
+            views.append(view)
+        return views
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -54,3 +156,10 @@ class Metrics:
             for sample in metric.samples
             if not sample.labels and not sample.name.endswith("_created")
         }
+
+
+def _mirrored(name: str, doc: str, registry: CollectorRegistry,
+              mirrors: tuple[Callable[[float], None], ...]) -> _Mirrored:
+    gauge = _Mirrored(name, doc, registry=registry)
+    gauge.mirrors = mirrors
+    return gauge

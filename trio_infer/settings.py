@@ -142,6 +142,16 @@ class Settings(BaseSettings):
         1, ge=1, description="Front-end processes sharing the listening socket, all served by one "
         "batching worker (serve only).",
     )
+    data_parallel: int = Field(
+        1, ge=1, description="Batching workers, each with its own engine, KV cache (kv_cache_mb "
+        "each) and share of the threads, behind the front end; a request is routed by dp_routing "
+        "and a worker that dies fails only its own requests (serve only; not with api_workers > 1).",
+    )
+    dp_routing: Literal["affinity", "round_robin"] = Field(
+        "affinity", description="With data_parallel > 1, which worker serves a request: "
+        "'affinity' (the worker that was sent the longest prefix of the prompt's full pages, else "
+        "the least loaded; runtime/affinity.py) or 'round_robin' (the benchmark's baseline).",
+    )
 
     # -- server -------------------------------------------------------------------------------
     host: str = "127.0.0.1"
@@ -176,6 +186,11 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> "Settings":
         self.engine_config()  # the engine's knobs are checked where they are defined
+        if self.data_parallel > 1 and self.api_workers > 1:
+            # One shared worker serves every front end of api_workers; N of them would need the
+            # supervisor to route, which it does not.
+            raise ValueError("data_parallel > 1 cannot be combined with api_workers > 1: use one "
+                             "or the other")
         return self
 
     def engine_config(self) -> EngineConfig:

@@ -16,6 +16,9 @@ Lifecycle:
   supervisor closes the worker's control pipe, which ends it, and reaps it;
 * a front end dies on its own: the others are stopped as on SIGTERM, then the worker; exit 1.
 
+``--data-parallel N`` (several workers behind one front end, ``runtime/data_parallel.py``) is
+refused with ``--api-workers N`` at startup (``Settings``): the shared worker is one.
+
 The worker and the front ends never outlive the supervisor's pipe to them: a worker exits when
 its control pipe closes, a front end's worker connection closes when the worker exits.
 """

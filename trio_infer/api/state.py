@@ -15,6 +15,7 @@ from trio_infer.api.plans import ModelLimits
 from trio_infer.api.render import TokenText
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import AsyncEngine
+from trio_infer.runtime.data_parallel import DataParallelEngine
 from trio_infer.settings import Settings, Wiring
 from trio_infer.wire import Loading
 
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 class ServerState:
     settings: Settings
     metrics: Metrics
-    engine: AsyncEngine | None = None
+    engine: AsyncEngine | DataParallelEngine | None = None
     tokenizer: Any = None
     limits: ModelLimits | None = None
     texts: TokenText | None = None
@@ -33,7 +34,7 @@ class ServerState:
     wiring: Wiring = field(default_factory=Wiring)  # a front end of serve --api-workers: its worker
     started_at: int = field(default_factory=lambda: int(time.time()))
 
-    def serve(self, engine: AsyncEngine, tokenizer: Any) -> None:
+    def serve(self, engine: AsyncEngine | DataParallelEngine, tokenizer: Any) -> None:
         """The model is loaded: requests are served from now on."""
         self.tokenizer = tokenizer
         self.texts = TokenText(tokenizer)
@@ -46,6 +47,7 @@ class ServerState:
             max_n=self.settings.max_n,
             max_batch_sequences=self.settings.max_waiting,
         )
+        self.metrics.set_cache_config(self.settings.engine_config().page_size, info.num_pages)
         self.loading = None
         self.engine = engine  # last: its presence is what "loaded" means
         log.info("serving %s (context %d tokens)", self.limits.name, self.limits.max_model_len)

@@ -1,4 +1,4 @@
-"""``python -m trio_infer.bench {offline,serve,startup,frontend,constrained,memory,llama-server}``"""
+"""``python -m trio_infer.bench {offline,serve,startup,frontend,constrained,memory,dp,llama-server}``"""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 from trio_infer.bench import (
     constrained,
+    data_parallel,
     frontend,
     llamaserver,
     memory,
@@ -25,6 +26,8 @@ COMMANDS = {
     "frontend": (frontend, "our HTTP stack alone, over a fake model"),
     "constrained": (constrained, "constrained decoding (json_schema) vs unconstrained"),
     "memory": (memory, "peak RSS of a worker vs llama.cpp on the same GGUF file"),
+    "dp": (data_parallel, "--data-parallel N (affinity and round robin) vs one worker with the "
+                          "same total threads, on shared prompt prefixes"),
     "llama-server": (llamaserver, "the cached llama-server binary (--build: build it once)"),
 }
 

@@ -176,6 +176,9 @@ class AsyncEngine:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._send_loop, stream.connection)
             await self._receive_loop(stream)
+            # Gone: admit nothing more while the connection is torn down (with --data-parallel,
+            # new requests go to the other workers from this instant, not after the teardown).
+            self.healthy = False
             nursery.cancel_scope.cancel()
 
     def _worker_down(self) -> None:
