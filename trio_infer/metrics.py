@@ -1,9 +1,10 @@
 """Prometheus metrics, one registry per app (no process-global state), vLLM-style names.
 
-Every family registered here is fed (tests/api/test_metrics.py fails otherwise). There is no
-queue-time histogram (vLLM's ``request_queue_time_seconds``): the front end does not see when
-the worker's scheduler admits a sequence, only its first token (``time_to_first_token``); the
-waiting queue's length is ``requests_waiting``.
+Every family registered here is fed (tests/api/test_metrics.py fails otherwise). The queue time
+(vLLM's ``request_queue_time_seconds``) is a request's arrival to the step where the worker first
+scheduled one of its sequences (``wire.Step.admitted``); the waiting queue's length is
+``requests_waiting``. Overload: ``requests_refused_total`` by reason (``queue_full``,
+``queue_tokens``, ``queue_time``) and ``request_timeouts_total`` (deadlines that passed).
 """
 
 from __future__ import annotations
@@ -36,10 +37,19 @@ class Metrics:
         )
         hist = lambda name, doc: Histogram(p + name, doc, buckets=_LATENCY_BUCKETS, registry=r)  # noqa: E731
         self.time_to_first_token = hist("time_to_first_token_seconds", "Arrival to first token")
+        self.request_queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled")
+        self.requests_refused_total = Counter(
+            p + "requests_refused", "Requests refused with 429, by reason", ["reason"], registry=r
+        )
+        self.request_timeouts_total = Counter(
+            p + "request_timeouts", "Requests ended by their deadline", registry=r
+        )
         self.inter_token_latency = hist("inter_token_latency_seconds", "Between output tokens")
         self.e2e_request_latency = hist("e2e_request_latency_seconds", "Arrival to finish")
         for reason in ("stop", "length", "abort", "error"):
             self.requests_total.labels(finish_reason=reason)
+        for reason in ("queue_full", "queue_tokens", "queue_time"):
+            self.requests_refused_total.labels(reason=reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,8 +10,8 @@ Where a request's state lives and when it dies:
 * a completions batch (several prompts) is one session whose sequences are every choice of every
   prompt, read by the handler's own task: leaving the block ends all of them at once, exactly as
   for one prompt.
-* streaming: the handler checks admission before the response starts (503 is still a status),
-  and the body generator enters the session: leaving the generator for any reason (end,
+* streaming: the handler checks admission before the response starts (503 and 429 are still
+  statuses), and the body generator enters the session: leaving the generator for any reason (end,
   disconnect, cancellation) leaves the block. A client gone before the body started never
   entered a session, so there is nothing to clean up.
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import re
 import time
 from pathlib import Path
@@ -408,15 +409,43 @@ def _options(plan: Plan) -> TextOptions:
 MakeSerializer = Callable[[Plan, TokenText], Serializer]
 
 
+TIMEOUT_HEADER = "X-Request-Timeout"
+
+
+def request_timeout(plan: Plan) -> float | None:
+    """The request's deadline in seconds: its ``timeout`` field, else its ``X-Request-Timeout``
+    header (checked as the field is), else None (the runtime applies ``request_timeout_s``)."""
+    if plan.timeout_s is not None:
+        return plan.timeout_s
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 7 * 86400:  # NaN fails too
+        raise APIError(400, f"The {TIMEOUT_HEADER} header must be a number of seconds in "
+                       f"(0, 604800] (got {raw[:40]!r}).", param=TIMEOUT_HEADER, code="invalid_timeout")
+    return value
+
+
 async def _serve(state: ServerState, plan: Plan, make: MakeSerializer = serializer) -> Response:
+    timeout_s = request_timeout(plan)
     if plan.stream:
-        return await _stream(state, plan, make)
-    return await _complete(state, plan, make)
+        return await _stream(state, plan, make, timeout_s)
+    return await _complete(state, plan, make, timeout_s)
 
 
-async def _complete(state: ServerState, plan: Plan, make: MakeSerializer = serializer) -> Response:
+def _queued_tokens(plan: Plan) -> int:
+    return sum(len(p) for p in plan.prompts) * plan.n
+
+
+async def _complete(state: ServerState, plan: Plan, make: MakeSerializer = serializer,
+                    timeout_s: float | None = None) -> Response:
     async with open_batch_text_stream(
-        state.engine, state.tokenizer, plan.prompts, plan.params, plan.stop, options=_options(plan)
+        state.engine, state.tokenizer, plan.prompts, plan.params, plan.stop, options=_options(plan),
+        timeout_s=timeout_s,
     ) as text:
         async for _ in text:
             pass
@@ -425,11 +454,13 @@ async def _complete(state: ServerState, plan: Plan, make: MakeSerializer = seria
     return json_response(body)
 
 
-async def _stream(state: ServerState, plan: Plan, make: MakeSerializer = serializer) -> Response:
+async def _stream(state: ServerState, plan: Plan, make: MakeSerializer = serializer,
+                  timeout_s: float | None = None) -> Response:
     # Admission before the response starts: a full queue or a draining server is still a real
-    # HTTP status (503), not an error event. The session itself is entered in the body, so a
-    # client that leaves before the body starts leaves nothing behind.
-    state.engine.check_admission(plan.num_choices)
+    # HTTP status (429, 503), not an error event. The session itself is entered in the body, so
+    # a client that leaves before the body starts leaves nothing behind. (So a stream's queue
+    # time and deadline, which run out after the status was sent, end it with an error event.)
+    state.engine.check_admission(plan.num_choices, _queued_tokens(plan))
     engine, tokenizer, interval = state.engine, state.tokenizer, state.settings.stream_interval
     events = ResponseEvents(plan)
     writer = make(plan, state.texts)
@@ -441,7 +472,8 @@ async def _stream(state: ServerState, plan: Plan, make: MakeSerializer = seriali
             if first:
                 yield first
             async with open_batch_text_stream(
-                engine, tokenizer, plan.prompts, plan.params, plan.stop, interval, _options(plan)
+                engine, tokenizer, plan.prompts, plan.params, plan.stop, interval, _options(plan),
+                timeout_s,
             ) as text:
                 counts = text.choices if plan.continuous_usage else None
                 async for deltas in text:

@@ -264,17 +264,19 @@ async def open_batch_text_stream(
     stop: Sequence[str] = (),
     interval: int = 1,
     options: TextOptions = DEFAULT_TEXT,
+    timeout_s: float | None = None,
 ) -> AsyncIterator[ChoiceTexts]:
     """:func:`open_text_stream` over several prompts, each with ``len(params)`` choices, in one
     session: each choice of each prompt is its own engine sequence, and leaving the block ends
-    them all. One prompt goes through ``engine.generate`` as :func:`open_text_stream` does."""
+    them all. One prompt goes through ``engine.generate`` as :func:`open_text_stream` does.
+    ``timeout_s``: the request's deadline (``AsyncEngine.generate_batch``)."""
     if all(p.max_tokens == 0 and p.prompt_logprobs is None for p in params):
         yield NothingToGenerate(tokenizer, prompts, len(params))
         return
     if len(prompts) == 1:
-        cm = engine.generate(prompts[0], params)
+        cm = engine.generate(prompts[0], params, timeout_s)
     else:
-        cm = engine.generate_batch(prompts, params)
+        cm = engine.generate_batch(prompts, params, timeout_s)
     async with cm as stream:
         yield TextStream(stream, tokenizer, prompts, len(params), stop, interval, batch=True,
                          options=options)
