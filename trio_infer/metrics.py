@@ -54,6 +54,15 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def refusals(self) -> dict[str, int]:
+        """Requests refused with 429 so far, by reason (for ``GET /v1/status``)."""
+        return {
+            sample.labels["reason"]: int(sample.value)
+            for metric in self.requests_refused_total.collect()
+            for sample in metric.samples
+            if sample.name.endswith("_total")
+        }
+
     def snapshot(self) -> dict[str, float]:
         """The current value of every unlabelled gauge and counter by sample name (counters as
         ``..._total``), for ``GET /v1/status``; one pass over the registry."""

@@ -135,7 +135,8 @@ def live_tasks() -> int:
 def status_body(state: ServerState) -> dict[str, Any]:
     """What ``GET /v1/status`` answers: health, how far a load got (while the model loads or the
     worker restarts), the engine's gauges, the token counters (a client derives rates from two
-    readings and their ``time``) and the front end's live tasks."""
+    readings and their ``time``), the overload refusals and deadlines, and the front end's live
+    tasks."""
     values = state.metrics.snapshot()
     count = lambda name: int(values.get("trio_infer_" + name, 0))  # noqa: E731
     problem = health_problem(state)
@@ -160,6 +161,10 @@ def status_body(state: ServerState) -> dict[str, Any]:
         "tokens": {
             "prompt": count("prompt_tokens_total"),
             "generated": count("generation_tokens_total"),
+        },
+        "overload": {
+            "refused": state.metrics.refusals(),  # 429s by reason, since start
+            "timeouts": count("request_timeouts_total"),  # deadlines that passed
         },
         "tasks": live_tasks(),
         "compute": compute_body(state),
