@@ -7,6 +7,7 @@ requests wait exactly where the test wants them, and virtual time runs the deadl
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from typing import Any
 
@@ -15,7 +16,17 @@ import trio
 import trio.testing
 from trio.testing import wait_all_tasks_blocked
 
-from .helpers import StepGate, all_zero, chat_body, fake_engine, make_app, metric, parse_sse, running
+from .helpers import (
+    StepGate,
+    all_zero,
+    chat_body,
+    counts,
+    fake_engine,
+    make_app,
+    metric,
+    parse_sse,
+    running,
+)
 
 LONG = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}
 
@@ -150,11 +161,11 @@ async def test_a_request_not_scheduled_within_the_queue_time_is_429(tokenizer, a
         assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
         error = (await r.get_json())["error"]
         assert error["code"] == "queue_time" and error["type"] == "rate_limit_error"
-        # A stream has sent its status already: the same refusal is its first and last event.
+        # A stream's status waits for the worker to start it: the same 429, not an event.
         with trio.fail_after(60):
             r = await client.post("/v1/completions", json=completion(stream=True, **LONG))
-        events = parse_sse(await r.get_data(as_text=True))
-        assert events[-2]["error"]["code"] == "queue_time" and events[-1] == "[DONE]"
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+        assert (await r.get_json())["error"]["code"] == "queue_time"
         await wait_all_tasks_blocked()
         assert all_zero(app)
         text = await metrics_text(client)
@@ -235,3 +246,66 @@ async def test_the_anthropic_api_gets_its_429_as_a_rate_limit_error(tokenizer, a
                 assert r.status_code == 429 and "Retry-After" in r.headers
                 assert (await r.get_json())["error"]["type"] == "rate_limit_error"
                 gate.allow()
+
+
+async def test_a_stream_under_the_queue_time_limit_streams_once_scheduled(tokenizer, autojump_clock) -> None:
+    app = make_app(tokenizer, max_queue_time_s=3)
+    async with running(app) as client:
+        gate = StepGate(app)
+        gate.hold()
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                got: list = []
+
+                async def post() -> None:
+                    r = await client.post("/v1/chat/completions",
+                                          json=chat_body(stream=True, max_tokens=3, timeout=30))
+                    got.append((r.status_code, parse_sse(await r.get_data(as_text=True))))
+
+                nursery.start_soon(post)
+                await trio.sleep(2)  # queued for 2 s of its 3: then the engine takes it
+                gate.allow()
+        [(status, events)] = got
+        assert status == 200 and events[-1] == "[DONE]"
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        await wait_all_tasks_blocked()
+        assert all_zero(app)
+
+
+async def test_a_held_stream_dropped_before_its_body_leaves_nothing(tokenizer, autojump_clock) -> None:
+    """With the queue-time limit the session opens in the handler (the status waits for the
+    first scheduling). A client gone between the handler's return and the first body byte drops
+    the response unsent; the started body is closed by trio's finalizer, and its session too
+    (at once: the response is freed by reference counting, no ``gc.collect()`` needed)."""
+    app = make_app(tokenizer, max_queue_time_s=30)
+    async with running(app):
+        body = json.dumps(chat_body(stream=True, **LONG)).encode()
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+            "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "extensions": {},
+        }
+        sent, gone = trio.Event(), trio.Event()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop()
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            assert message["type"] == "http.response.start" and message["status"] == 200
+            sent.set()
+            await trio.sleep_forever()  # a socket that never drains
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(app, scope, receive, send)
+                await sent.wait()
+                assert counts(app)["sessions"] == 1  # scheduled, status on its way
+                gone.set()
+            await wait_all_tasks_blocked()
+            assert all_zero(app), counts(app)

@@ -28,6 +28,7 @@ import logging
 import math
 import re
 import time
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any, Callable
 
@@ -442,6 +443,15 @@ async def _serve(state: ServerState, plan: Plan, make: MakeSerializer = serializ
     return await _complete(state, plan, make, timeout_s)
 
 
+async def _resumed(first: str, rest: Any) -> Any:
+    """``first``, then the rest of the started body ``rest``, closed whatever happens."""
+    async with aclosing(rest):
+        if first:
+            yield first
+        async for chunk in rest:
+            yield chunk
+
+
 def _queued_tokens(plan: Plan) -> int:
     return sum(len(p) for p in plan.prompts) * plan.n
 
@@ -463,23 +473,35 @@ async def _stream(state: ServerState, plan: Plan, make: MakeSerializer = seriali
                   timeout_s: float | None = None) -> Response:
     # Admission before the response starts: a full queue or a draining server is still a real
     # HTTP status (429, 503), not an error event. The session itself is entered in the body, so
-    # a client that leaves before the body starts leaves nothing behind. (So a stream's queue
-    # time and deadline, which run out after the status was sent, end it with an error event.)
+    # a client that leaves before the body starts leaves nothing behind.
+    #
+    # With a queue-time limit, the status waits for the worker to start the request: the handler
+    # runs the body up to its first chunk, which it yields only once the request was scheduled;
+    # a refusal (429), a deadline (504) or a failure before that leaves the body with its
+    # session closed and becomes the status. The body is then suspended inside the session; if
+    # the response is dropped unsent (a client gone right then), trio's finalizer of unfinished
+    # async generators closes it, and the session with it.
     state.engine.check_admission(plan.num_choices, _queued_tokens(plan))
     engine, tokenizer, interval = state.engine, state.tokenizer, state.settings.stream_interval
     events = ResponseEvents(plan)
     writer = make(plan, state.texts)
+    hold = state.settings.max_queue_time_s is not None
 
     async def body():  # type: ignore[no-untyped-def]
         # Trap 5: no `request` in here; everything needed was captured above.
+        first = writer.first()
+        sent = not hold  # whether the status is gone (an error is an event from then on)
         try:
-            first = writer.first()
-            if first:
+            if not hold and first:
                 yield first
             async with open_batch_text_stream(
                 engine, tokenizer, plan.prompts, plan.params, plan.stop, interval, _options(plan),
                 timeout_s,
             ) as text:
+                if hold:
+                    await text.admitted()
+                    sent = True
+                    yield first  # the handler's: it returns the response now
                 counts = text.choices if plan.continuous_usage else None
                 async for deltas in text:
                     # One write per read of the stream, whatever it held: each write is an ASGI
@@ -491,13 +513,20 @@ async def _stream(state: ServerState, plan: Plan, make: MakeSerializer = seriali
                         yield chunks
             tail = writer.end(text.choices)
         except EngineError as exc:
+            if not sent:
+                raise  # still in the handler: a status
             # Trap 6: an error after the first byte becomes an event, never a cut body.
             tail = writer.failed(from_engine_error(exc))
         except Exception:
+            if not sent:
+                raise
             log.exception("error while streaming a response")
             tail = writer.failed(internal_error())
         yield tail
 
-    response = await make_response(body(), 200, sse.HEADERS)
+    content = body()
+    if hold:
+        content = _resumed(await content.__anext__(), content)
+    response = await make_response(content, 200, sse.HEADERS)
     response.timeout = None  # trap 1: Quart's 60 s RESPONSE_TIMEOUT would cut long streams
     return response

@@ -46,6 +46,7 @@ class Session:
         self.deadline = None if timeout_s is None else arrival + timeout_s
         self.started = False  # has produced its first output
         self.admitted_at: float | None = None  # when the worker first scheduled one of its choices
+        self.scheduled = trio.Event()  # set at the first scheduling, or when the session ends
         self.error: EngineError | None = None  # what the reader gets after the last output
         self.paused_since: float | None = None  # a live choice has no credit left since then
         self._router = router
@@ -109,6 +110,7 @@ class Session:
             first = self.admitted_at is None
             if first:
                 self.admitted_at = now
+                self.scheduled.set()
             self._router.left_queue(self, tokens, admitted=True, first=first, now=now)
 
     def fail(self, index: int, error: EngineError) -> None:
@@ -145,6 +147,7 @@ class Session:
             self._end(index, reason)
             self._router.abort((self.request_id, index))
         self._send.close()
+        self.scheduled.set()
         self._resume_if_ready()
         self._router.closed(self)
 
@@ -196,3 +199,12 @@ class GenerationStream:
         """End choice ``index`` now, as a stop (a stop string matched in the text): its
         sequence stops costing compute. No-op if it already finished."""
         self._session.finish(index)
+
+    async def admitted(self) -> None:
+        """Return once the worker has scheduled one of the request's sequences (its prefill
+        started), or raise the error the request ended with before that (a queue-time refusal,
+        its deadline, a failure): what a streamed response waits for before its status."""
+        session = self._session
+        await session.scheduled.wait()
+        if session.admitted_at is None and session.error is not None:
+            raise session.error

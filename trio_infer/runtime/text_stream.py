@@ -175,6 +175,10 @@ class TextStream:
     def __aiter__(self) -> TextStream:
         return self
 
+    async def admitted(self) -> None:
+        """Return once the worker has started the request (:meth:`GenerationStream.admitted`)."""
+        await self._stream.admitted()
+
     async def __anext__(self) -> list[ChoiceDelta]:
         """The next read's deltas (never empty): what each choice has to say now."""
         choices, interval = self.choices, self._interval
@@ -233,6 +237,8 @@ class ChoiceTexts(Protocol):
 
     def __aiter__(self) -> Any: ...
 
+    async def admitted(self) -> None: ...
+
 
 class NothingToGenerate:
     """The text of a request that generates no token and asks for no prompt logprobs: every
@@ -245,6 +251,9 @@ class NothingToGenerate:
 
     def __aiter__(self) -> NothingToGenerate:
         return self
+
+    async def admitted(self) -> None:
+        """Nothing waits in a queue: at once."""
 
     async def __anext__(self) -> list[ChoiceDelta]:
         if self._done:
