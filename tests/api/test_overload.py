@@ -183,23 +183,27 @@ async def test_a_request_not_scheduled_within_the_queue_time_is_429(tokenizer, a
 
 
 async def test_retry_after_is_the_queue_ahead_over_the_measured_drain_rate(tokenizer, autojump_clock) -> None:
-    app = make_app(tokenizer, fake_engine(tokenizer, max_running=1), max_waiting=1)
+    app = make_app(tokenizer, fake_engine(tokenizer, max_running=1), max_waiting=4)
     async with running(app) as client:
         gate = StepGate(app)
+        gate.hold()
+        post = partial(client.post, "/v1/completions", json=completion(max_tokens=1))
         with trio.fail_after(600):
-            await trio.sleep(40)  # past the first drain window
-            for _ in range(6):  # six admissions, at t = 40, 41, ..., 45
-                r = await client.post("/v1/completions", json=completion(max_tokens=1))
-                assert r.status_code == 200
-                await trio.sleep(1)
-            await trio.sleep(50 - trio.current_time())
-            gate.hold()
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(partial(client.post, "/v1/completions", json=completion(max_tokens=1)))
+                await trio.sleep(40)
+                for _ in range(4):  # four queued at t=40
+                    nursery.start_soon(post)
                 await wait_all_tasks_blocked()
-                r = await client.post("/v1/completions", json=completion(max_tokens=1))
-                # Two sequences ahead (the queued one and its own), 6 admissions in the last
-                # 30 s: 2 / (6 / 30) = 10 s.
+                for t in (42, 44):  # the engine takes one at t=42 and one at t=44
+                    await trio.sleep(t - trio.current_time())
+                    gate.allow(1)
+                    await wait_all_tasks_blocked()
+                for _ in range(2):  # the queue is full again
+                    nursery.start_soon(post)
+                await wait_all_tasks_blocked()
+                r = await post()
+                # Two admissions for 4 s of waiting: 2 s each; five sequences ahead (the four
+                # queued and its own): 10 s. Idle time before t=40 does not count.
                 assert r.status_code == 429 and r.headers["Retry-After"] == "10"
                 assert (await r.get_json())["error"]["code"] == "queue_full"
                 gate.allow()

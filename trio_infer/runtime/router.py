@@ -71,6 +71,8 @@ class RouterStatistics:
 
 # Admissions counted for the drain rate: those of the last DRAIN_WINDOW_S seconds.
 DRAIN_WINDOW_S = 30.0
+# A Retry-After when nothing was scheduled while requests waited in the window.
+IDLE_RETRY_AFTER_S = int(DRAIN_WINDOW_S)
 MAX_RETRY_AFTER_S = 3600
 
 
@@ -84,8 +86,12 @@ class Router:
         self._paused: dict[Session, None] = {}  # out of credits; oldest first
         self._queued: dict[Session, None] = {}  # nothing scheduled yet; oldest first
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, request id)
-        self._admissions: deque[float] = deque()  # times of the admissions in the drain window
-        self._since = clock()  # start of the drain rate's measurement
+        # The admissions of the drain window: (when, seconds the queue waited for it), where the
+        # wait counts from the previous admission or from when the queue last became non-empty,
+        # whichever is later: idle time is no drain.
+        self._admissions: deque[tuple[float, float]] = deque()
+        self._last_admission = -math.inf
+        self._queue_since = 0.0  # when num_waiting last went from 0 to positive
         self._outbox: list[ToWorker | msgspec.Raw] = []  # an Add is encoded when it is queued
         self._returned: dict[Uid, int] = {}
         self._changed = trio.Event()  # set when a session closes
@@ -112,6 +118,8 @@ class Router:
         if session.deadline is not None:
             heapq.heappush(self._deadlines, (session.deadline, request_id))
         self._outbox.extend(adds)
+        if not self.num_waiting:
+            self._queue_since = session.arrival
         self.num_waiting += len(adds)
         self.waiting_tokens += sum(tokens)
         self.metrics.sessions_active.set(len(self._sessions))
@@ -153,20 +161,20 @@ class Router:
         return self._sessions[self._deadlines[0][1]] if self._deadlines else None
 
     def retry_after(self, ahead: int) -> int:
-        """Seconds until ``ahead`` waiting sequences should have been scheduled, at the rate the
-        worker scheduled them over the last ``DRAIN_WINDOW_S`` seconds (or since the router
-        started, if later): at least 1, at most ``MAX_RETRY_AFTER_S``; the window itself when
-        nothing was scheduled in it (the queue is not draining at all)."""
-        now, times = self._clock(), self._admissions
-        while times and times[0] <= now - DRAIN_WINDOW_S:
-            times.popleft()
-        if not times:
-            return int(DRAIN_WINDOW_S)
-        window = max(min(DRAIN_WINDOW_S, now - self._since), 1e-9)
-        seconds = ahead * window / len(times)
+        """Seconds until ``ahead`` waiting sequences should have been scheduled, at the drain rate
+        measured over the admissions of the last ``DRAIN_WINDOW_S`` seconds: their number over
+        the time the queue was waiting for them (idle time is not counted, so a burst after a
+        quiet minute is not told to wait for the quiet minute's rate). At least 1, at most
+        ``MAX_RETRY_AFTER_S``; ``IDLE_RETRY_AFTER_S`` when nothing was scheduled in the window
+        (the queue is not draining at all)."""
+        now, window = self._clock(), self._admissions
+        while window and window[0][0] <= now - DRAIN_WINDOW_S:
+            window.popleft()
+        if not window:
+            return IDLE_RETRY_AFTER_S
+        waited = sum(dt for _, dt in window)
+        seconds = ahead * waited / len(window)
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(seconds)))
-
-    # -- what sessions tell it ---------------------------------------------------------------------
 
     def started(self, session: Session, now: float) -> None:
         self.metrics.time_to_first_token.observe(now - session.arrival)
@@ -180,7 +188,8 @@ class Router:
         self.waiting_tokens -= tokens
         if admitted:
             assert now is not None
-            self._admissions.append(now)
+            self._admissions.append((now, now - max(self._last_admission, self._queue_since)))
+            self._last_admission = now
         if first:
             self.metrics.request_queue_time.observe(now - session.arrival)  # type: ignore[operator]
         if first or session.num_queued == 0:
