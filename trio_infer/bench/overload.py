@@ -1,13 +1,19 @@
 """``overload``: a burst of ``--burst-factor`` (10) times the server's capacity against our own
 server, interleaved with the same server unloaded, to check issue 24's promises under overload.
 
-The server is ``python -m trio_infer serve`` on the fake model (``--fake-step-ms`` of simulated
-compute per engine step; ``--model PATH`` serves a real model instead) with ``--max-running``
-sequences at most (its *capacity*) and the queue-time limit ``--max-queue-time-s``. Each round:
+Two servers run side by side, each ``python -m trio_infer serve`` on the fake model
+(``--fake-step-ms`` of simulated compute per engine step; ``--model PATH`` serves a real model
+instead) with ``--max-running`` sequences at most (its *capacity*): *limited*, with the
+queue-time limit ``--max-queue-time-s``, and *unlimited*, without (so every request is served,
+however long it waits: what priorities are measured on). Each round, one after the other:
 
-1. *unloaded*: ``capacity`` requests, one after another (the TTFT baseline);
-2. *burst*: ``burst-factor x capacity`` streamed requests sent at once, a ``--high-fraction`` of
-   them with ``priority`` 0 (high) and the rest with ``priority`` 1 (low), in a shuffled order.
+1. *unloaded* (limited server): ``capacity`` requests, one after another (the TTFT baseline);
+2. *burst* (limited server), then the same burst on the unlimited server:
+   ``burst-factor x capacity`` streamed requests: the low-priority ones (``priority`` 1) at
+   once, then, ``--high-delay-s`` later (the server is saturated by then), the high-priority
+   ones (``priority`` 0), a ``--high-fraction`` of the burst. Priorities order the waiting
+   queue (they do not preempt a running sequence for a slot), so this is what "under
+   saturation" means here: high-priority requests that arrive while the queue is full.
 
 Every request streams (``stream: true``) with ``--output-len`` tokens (``ignore_eos``). What it
 checks and prints, pooled over the rounds:
@@ -16,8 +22,9 @@ checks and prints, pooled over the rounds:
   (``--timeout`` per request, far above what the server should take);
 * the 200s' TTFT p99 under the burst is at most 2 x the unloaded TTFT p99 + the queue-time limit
   (the ratio printed is burst p99 / that bound: at most 1 passes);
-* the TTFT p50 of high-priority 200s is at most a third of the low-priority ones' (ratio printed:
-  high p50 / low p50).
+* on the unlimited server, the TTFT p50 of the high-priority requests is at most a third of the
+  low-priority ones' (ratio printed: high p50 / low p50; the limited server's is printed too,
+  over its 200s only: there a low-priority request either starts within the limit or is refused).
 
 The exit status is 0 when every check passed. Timings on a shared machine are noisy: report the
 load average with the figures (the JSON has it in ``environment``).
@@ -57,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst-factor", type=int, default=10, help="burst size over capacity (default 10)")
     p.add_argument("--high-fraction", type=float, default=0.2,
                    help="share of the burst sent with high priority (default 0.2)")
+    p.add_argument("--high-delay-s", type=float, default=0.5,
+                   help="the high-priority requests leave this long after the low ones (default 0.5)")
     p.add_argument("--input-len", type=parse_range, default=parse_range("32"), metavar="MIN:MAX",
                    help="prompt length in words (default 32)")
     p.add_argument("--output-len", type=parse_range, default=parse_range("16"), metavar="MIN:MAX",
@@ -73,14 +82,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", type=Path, default=None)
 
 
-def server_argv(args: argparse.Namespace) -> list[str]:
+def server_argv(args: argparse.Namespace, limited: bool) -> list[str]:
     argv = [sys.executable, "-m", "trio_infer", "serve", "--model", args.model,
             "--host", "127.0.0.1", "--port", "{port}",
             "--max-running", str(args.max_running),
             "--max-batched-tokens", str(max(512, 64 * args.max_running)),
-            "--max-queue-time-s", f"{args.max_queue_time_s:g}",
             # Room for the whole burst in the queue: the queue-time limit is what refuses here.
             "--max-waiting", str(max(256, 2 * args.burst_factor * args.max_running))]
+    if limited:
+        argv += ["--max-queue-time-s", f"{args.max_queue_time_s:g}"]
     if args.model == "fake":
         argv += ["--fake-step-ms", f"{args.step_ms:g}"]
     return argv + list(args.serve_arg)
@@ -118,7 +128,7 @@ async def unloaded(ep: Endpoint, model: str, workload: list[tuple[str, int]], ti
 
 
 async def burst(ep: Endpoint, model: str, workload: list[tuple[str, int]], priorities: list[int],
-                timeout: float) -> list[tuple[int, StreamResult]]:
+                timeout: float, high_delay: float) -> list[tuple[int, StreamResult]]:
     results: list[tuple[int, StreamResult] | None] = [None] * len(workload)
 
     async def one(i: int) -> None:
@@ -128,7 +138,12 @@ async def burst(ep: Endpoint, model: str, workload: list[tuple[str, int]], prior
 
     async with trio.open_nursery() as nursery:
         for i in range(len(workload)):
-            nursery.start_soon(one, i)
+            if priorities[i] == LOW:
+                nursery.start_soon(one, i)
+        await trio.sleep(high_delay)
+        for i in range(len(workload)):
+            if priorities[i] == HIGH:
+                nursery.start_soon(one, i)
     return [r for r in results if r is not None]
 
 
@@ -148,12 +163,18 @@ def classify(results: list[tuple[int, StreamResult]]) -> dict[str, Any]:
             "retry_after_s": {"min": retry_after[0], "max": retry_after[-1]} if retry_after else None}
 
 
-async def run(args: argparse.Namespace, ep: Endpoint) -> dict[str, Any]:
+def _p50s(results: list[tuple[int, StreamResult]]) -> tuple[list[float], list[float]]:
+    ok = [(p, r) for p, r in results if r.ok and r.ttft is not None]
+    return [r.ttft for p, r in ok if p == HIGH], [r.ttft for p, r in ok if p == LOW]  # type: ignore[misc]
+
+
+async def run(args: argparse.Namespace, ep: Endpoint, ep_free: Endpoint) -> dict[str, Any]:
     rng = random.Random(args.seed)
     model = await _model_id(ep)
     cap = args.max_running
     base: list[float] = []
     burst_results: list[tuple[int, StreamResult]] = []
+    free_results: list[tuple[int, StreamResult]] = []
     for rnd in range(args.rounds):
         work = make_text_workload(cap, args.input_len, args.output_len, seed=args.seed + 2 * rnd)
         base += [r.ttft for r in await unloaded(ep, model, work, args.timeout) if r.ok and r.ttft is not None]
@@ -162,7 +183,10 @@ async def run(args: argparse.Namespace, ep: Endpoint) -> dict[str, Any]:
         high = round(args.high_fraction * n)
         priorities = [HIGH] * high + [LOW] * (n - high)
         rng.shuffle(priorities)
-        burst_results += await burst(ep, model, work, priorities, args.timeout)
+        burst_results += await burst(ep, model, work, priorities, args.timeout, args.high_delay_s)
+        free_results += await burst(ep_free, model, work, priorities, args.timeout, args.high_delay_s)
+    free_high, free_low = _p50s(free_results)
+    free_outcome = classify(free_results)
     ok = [(p, r) for p, r in burst_results if r.ok and r.ttft is not None]
     ttft_all = [r.ttft for _, r in ok]
     ttft_high = [r.ttft for p, r in ok if p == HIGH]
@@ -173,18 +197,21 @@ async def run(args: argparse.Namespace, ep: Endpoint) -> dict[str, Any]:
     high_s, low_s = stats.summarize(ttft_high), stats.summarize(ttft_low)
     outcome = classify(burst_results)
     statuses_ok = set(outcome["by_status"]) <= {"200", "429"}
+    free_high_s, free_low_s = stats.summarize(free_high), stats.summarize(free_low)
     checks = {
         "only_200_or_429_with_retry_after": statuses_ok and outcome["429_without_retry_after"] == 0
         and outcome["200_that_failed"] == 0,
-        "no_client_timeout": outcome["client_timeouts"] == 0,
+        "no_client_timeout": outcome["client_timeouts"] == 0 and free_outcome["client_timeouts"] == 0,
         "ttft_p99_within_bound": burst_s["p99"] <= bound,
-        "high_p50_at_most_a_third_of_low": high_s["p50"] <= low_s["p50"] / 3,
+        "high_p50_at_most_a_third_of_low": free_high_s["p50"] <= free_low_s["p50"] / 3,
     }
     return {
         "capacity": cap,
         "burst_size": args.burst_factor * cap,
         "rounds": args.rounds,
         "max_queue_time_s": args.max_queue_time_s,
+        "high_fraction": args.high_fraction,
+        "high_delay_s": args.high_delay_s,
         "step_ms": args.step_ms if args.model == "fake" else None,
         "model": args.model,
         "unloaded_ttft_ms": stats.summarize(base, 1e3),
@@ -196,6 +223,11 @@ async def run(args: argparse.Namespace, ep: Endpoint) -> dict[str, Any]:
         "ttft_bound_ms": 1e3 * bound,
         "ratio_burst_p99_over_bound": burst_s["p99"] / bound if bound else math.nan,
         "ratio_high_p50_over_low_p50": high_s["p50"] / low_s["p50"] if low_s["p50"] else math.nan,
+        "unlimited_burst": free_outcome,
+        "unlimited_high_ttft_ms": stats.summarize(free_high, 1e3),
+        "unlimited_low_ttft_ms": stats.summarize(free_low, 1e3),
+        "unlimited_ratio_high_p50_over_low_p50":
+            free_high_s["p50"] / free_low_s["p50"] if free_low_s["p50"] else math.nan,
         "checks": checks,
     }
 
@@ -218,6 +250,11 @@ def print_report(res: dict[str, Any]) -> None:
         ("High-priority 200s, TTFT p50 (ms)", f"{res['high_200']}, {res['high_200_ttft_ms']['p50']:.1f}"),
         ("Low-priority 200s, TTFT p50 (ms)", f"{res['low_200']}, {res['low_200_ttft_ms']['p50']:.1f}"),
         ("High p50 / low p50", f"{res['ratio_high_p50_over_low_p50']:.2f}"),
+        ("Unlimited server: burst statuses",
+         ", ".join(f"{k}: {v}" for k, v in sorted(res["unlimited_burst"]["by_status"].items()))),
+        ("Unlimited: high TTFT p50 (ms)", f"{res['unlimited_high_ttft_ms']['p50']:.1f}"),
+        ("Unlimited: low TTFT p50 (ms)", f"{res['unlimited_low_ttft_ms']['p50']:.1f}"),
+        ("Unlimited: high p50 / low p50", f"{res['unlimited_ratio_high_p50_over_low_p50']:.2f}"),
     ]
     rows += [(f"check: {name}", "pass" if ok else "FAIL") for name, ok in res["checks"].items()]
     stats.print_kv("Overload Benchmark Result", rows)
@@ -226,19 +263,24 @@ def print_report(res: dict[str, Any]) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.max_running < 1 or args.burst_factor < 1 or args.rounds < 1:
         raise SystemExit("error: --max-running, --burst-factor and --rounds must be >= 1")
-    port = free_port()
-    ep = Endpoint.parse(f"http://127.0.0.1:{port}/v1")
-    system = System("ours", server_argv(args), env=dict(os.environ), model=None)
+    ports = {"limited": free_port(), "unlimited": free_port()}
+    procs = {}
     with tempfile.TemporaryDirectory() as tmp:
         log_dir = args.log_dir or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
-        log = log_dir / "overload-server.log"
-        proc = start_server(system, port, log)
         try:
-            trio.run(_wait_healthy, Endpoint("127.0.0.1", port, ""), proc, args.startup_timeout, log)
-            res = trio.run(run, args, ep)
+            for name, port in ports.items():
+                system = System(name, server_argv(args, name == "limited"), env=dict(os.environ),
+                                model=None)
+                log = log_dir / f"overload-{name}.log"
+                procs[name] = start_server(system, port, log)
+                trio.run(_wait_healthy, Endpoint("127.0.0.1", port, ""), procs[name],
+                         args.startup_timeout, log, name)
+            res = trio.run(run, args, *(Endpoint.parse(f"http://127.0.0.1:{ports[n]}/v1")
+                                        for n in ("limited", "unlimited")))
         finally:
-            stop_server(proc)
+            for proc in procs.values():
+                stop_server(proc)
     res["environment"] = stats.environment()
     print_report(res)
     if args.output_json:
