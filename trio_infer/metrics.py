@@ -1,9 +1,10 @@
 """Prometheus metrics, one registry per app (no process-global state), vLLM-style names.
 
-Every family registered here is fed (tests/api/test_metrics.py fails otherwise). There is no
-queue-time histogram (vLLM's ``request_queue_time_seconds``): the front end does not see when
-the worker's scheduler admits a sequence, only its first token (``time_to_first_token``); the
-waiting queue's length is ``requests_waiting``.
+Every family registered here is fed (tests/api/test_metrics.py fails otherwise). The queue time
+(vLLM's ``request_queue_time_seconds``) is a request's arrival to the step where the worker first
+scheduled one of its sequences (``wire.Step.admitted``); the waiting queue's length is
+``requests_waiting``. Overload: ``requests_refused_total`` by reason (``queue_full``,
+``queue_tokens``, ``queue_time``) and ``request_timeouts_total`` (deadlines that passed).
 
 **Gateway names.** An inference gateway (the Gateway API Inference Extension's endpoint picker,
 llm-d, SGLang's router) scrapes a model server for its queue, its running requests and how full
@@ -120,10 +121,19 @@ class Metrics:
         )
         hist = lambda name, doc: Histogram(p + name, doc, buckets=_LATENCY_BUCKETS, registry=r)  # noqa: E731
         self.time_to_first_token = hist("time_to_first_token_seconds", "Arrival to first token")
+        self.request_queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled")
+        self.requests_refused_total = Counter(
+            p + "requests_refused", "Requests refused with 429, by reason", ["reason"], registry=r
+        )
+        self.request_timeouts_total = Counter(
+            p + "request_timeouts", "Requests ended by their deadline", registry=r
+        )
         self.inter_token_latency = hist("inter_token_latency_seconds", "Between output tokens")
         self.e2e_request_latency = hist("e2e_request_latency_seconds", "Arrival to finish")
         for reason in ("stop", "length", "abort", "error"):
             self.requests_total.labels(finish_reason=reason)
+        for reason in ("queue_full", "queue_tokens", "queue_time"):
+            self.requests_refused_total.labels(reason=reason)
 
     def set_cache_config(self, page_size: int, num_pages: int) -> None:
         """The KV cache's shape, once the engine is loaded (``vllm:cache_config_info``)."""
@@ -145,6 +155,15 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def refusals(self) -> dict[str, int]:
+        """Requests refused with 429 so far, by reason (for ``GET /v1/status``)."""
+        return {
+            sample.labels["reason"]: int(sample.value)
+            for metric in self.requests_refused_total.collect()
+            for sample in metric.samples
+            if sample.name.endswith("_total")
+        }
 
     def snapshot(self) -> dict[str, float]:
         """The current value of every unlabelled gauge and counter by sample name (counters as

@@ -67,7 +67,22 @@ class Settings(BaseSettings):
         "max_running."
     )
     max_waiting: int = Field(
-        256, ge=0, description="Sequences without a first token yet before new requests get 503."
+        256, ge=0, description="Sequences the worker has not scheduled yet before new requests "
+        "get 429 (with Retry-After)."
+    )
+    max_waiting_tokens: int | None = Field(
+        None, ge=1, description="Prompt tokens of the sequences not scheduled yet before new "
+        "requests get 429 (with Retry-After); none by default. A request always gets into an "
+        "empty queue."
+    )
+    max_queue_time_s: float | None = Field(
+        None, gt=0, description="A request the worker has not started to prefill this long after "
+        "it arrived is refused with 429 (with Retry-After); none by default."
+    )
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="Deadline of every request from its arrival (a request's "
+        "'timeout' field or X-Request-Timeout header overrides it): then it is aborted, with 504 "
+        "or an error event; none by default."
     )
     torch_threads: int = Field(
         0, ge=0, description="torch intra-op threads; 0 = leave one core to the event loop."

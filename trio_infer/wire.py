@@ -17,7 +17,8 @@ and a msgpack array of messages; each side batches everything it has into one fr
   string matched, the reader stalled), :class:`Credit` (the reader took outputs).
 * worker -> front end: :class:`Loading` (while the model loads), :class:`Hello` (once, when the
   model is loaded), :class:`Step` (once per engine step: every output of the step, the sequences
-  the worker ended on its own with an error, and the engine's statistics), :class:`Fatal` (the
+  the worker ended on its own with an error, the sequences it admitted, and the engine's
+  statistics), :class:`Fatal` (the
   worker cannot go on; it exits after it).
 
 Flow control (credits) is described in ``runtime/router.py``, the front end's end.
@@ -80,6 +81,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
     logit_bias: tuple[tuple[int, float], ...] = ()
     thinking_budget: int | None = None
     think_ids: tuple[int, ...] = ()  # (open, close) when thinking_budget is set
+    priority: int = 0  # vLLM's: a lower value is admitted first and preempted last
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 0:
@@ -221,9 +223,14 @@ class Failed(msgspec.Struct, array_like=True):
 
 
 class Step(msgspec.Struct, tag="step", array_like=True):
+    """One engine step. ``admitted``: the sequences this step scheduled for the first time (their
+    prefill starts in it), so the front end knows when a request stopped waiting (the
+    queue-time limit, the queue-time histogram, the drain rate behind ``Retry-After``)."""
+
     outputs: list[RequestOutput]
     failed: list[Failed]
     stats: EngineStatistics
+    admitted: list[Uid] = []
 
 
 class Fatal(msgspec.Struct, tag="fatal", array_like=True):

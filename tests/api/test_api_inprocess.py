@@ -267,7 +267,7 @@ async def test_n_above_the_limit_is_refused_and_a_one_prompt_list_is_one_prompt(
     assert r.status_code == 200 and len((await r.get_json())["choices"]) == 1
 
 
-async def test_queue_full_is_503_with_retry_after(tokenizer) -> None:
+async def test_queue_full_is_429_with_retry_after(tokenizer) -> None:
     app = make_app(tokenizer, max_waiting=1)
     async with running(app) as client:
         gate = StepGate(app)
@@ -277,8 +277,10 @@ async def test_queue_full_is_503_with_retry_after(tokenizer) -> None:
             await trio.testing.wait_all_tasks_blocked()
             assert counts(app)["waiting"] == 1
             r = await client.post("/v1/completions", json={"model": "fake", "prompt": "b", "max_tokens": 2, "stream": True})
-            assert r.status_code == 503 and r.headers["Retry-After"] == "1"
-            assert (await r.get_json())["error"]["code"] == "overloaded"
+            # Nothing was scheduled in the drain window: Retry-After is the window (30 s).
+            assert r.status_code == 429 and r.headers["Retry-After"] == "30"
+            error = (await r.get_json())["error"]
+            assert error["code"] == "queue_full" and error["type"] == "rate_limit_error"
             gate.allow()
         assert all_zero(app)
 

@@ -3,16 +3,19 @@ histogram with no observation, a counter never above zero, a gauge never set) fa
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import prometheus_client
+import trio
+import trio.testing
 
 from trio_infer.metrics import Metrics
 
-from .helpers import make_app, parse_sse, running
+from .helpers import StepGate, make_app, parse_sse, running
 
 
-async def test_every_registered_family_is_observed(tokenizer, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+async def test_every_registered_family_is_observed(tokenizer, monkeypatch, autojump_clock) -> None:  # type: ignore[no-untyped-def]
     set_gauges: set[str] = set()
     for method in ("set", "inc", "dec"):
         real = getattr(prometheus_client.Gauge, method)
@@ -23,7 +26,7 @@ async def test_every_registered_family_is_observed(tokenizer, monkeypatch) -> No
 
         monkeypatch.setattr(prometheus_client.Gauge, method, spy)
 
-    app = make_app(tokenizer)
+    app = make_app(tokenizer, max_waiting=2, max_waiting_tokens=40, max_queue_time_s=5)
     metrics: Metrics = app.extensions["trio_infer"].metrics
     # Two prompts that share their first pages (prefix-cache hits), streamed and not, several
     # tokens each (inter-token latency), ending by length and by a stop string.
@@ -35,6 +38,20 @@ async def test_every_registered_family_is_observed(tokenizer, monkeypatch) -> No
             assert r.status_code == 200
             if stream:
                 assert parse_sse(await r.get_data(as_text=True))[-1] == "[DONE]"
+        # Overload, with the engine held: a deadline, then each refusal (queue time; a full queue
+        # in sequences, then in tokens).
+        gate = StepGate(app)
+        gate.hold()
+        r = await client.post("/v1/completions", json={"model": "fake", "prompt": "a", "timeout": 1})
+        assert r.status_code == 504
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(client.post, "/v1/completions", json={"model": "fake", "prompt": "b"}))
+            await trio.testing.wait_all_tasks_blocked()
+            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "c", "n": 2})
+            assert r.status_code == 429
+            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "d" * 60})
+            assert r.status_code == 429
+        assert metrics.refusals() == {"queue_full": 1, "queue_tokens": 1, "queue_time": 1}
 
     unobserved = []
     for family in metrics.registry.collect():

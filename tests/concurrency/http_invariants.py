@@ -103,7 +103,7 @@ def _allowed_errors(report: HttpReport, rec: HttpRecord, index: int) -> set[str]
     if report.drain_started is not None and report.drain_started.seq < rec.end.seq:
         allowed.add("service_unavailable")
     if sc.max_waiting < 256:
-        allowed.add("overloaded")
+        allowed.add("queue_full")
     if report.engine.stats.failed_steps:
         allowed.add("engine_error")
     # A stall is explained by the session's log: check_session verified it against the reads.
@@ -118,7 +118,7 @@ def _allowed_errors(report: HttpReport, rec: HttpRecord, index: int) -> set[str]
 
 def _check_error_status(report: HttpReport, index: int, who: str, rec: HttpRecord) -> None:
     err = _error(who, rec.body)
-    status = {"service_unavailable": 503, "overloaded": 503, "engine_error": 500}
+    status = {"service_unavailable": 503, "queue_full": 429, "engine_error": 500}
     allowed = _allowed_errors(report, rec, index)
     assert err["code"] in allowed and status.get(err["code"]) == rec.status, (
         f"{who}: answered {rec.status} {err} (allowed: {sorted(allowed)}; "

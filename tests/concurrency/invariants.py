@@ -15,7 +15,7 @@ from typing import Hashable
 from trio_infer.engine.engine import Engine
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import AsyncEngine
-from trio_infer.runtime.errors import RequestFailed, RequestStalled
+from trio_infer.runtime.errors import EngineOverloaded, RequestFailed, RequestStalled, RequestTimeout
 from trio_infer.runtime.router import RouterStatistics
 from trio_infer.runtime.worker import WorkerCore
 from trio_infer.wire import RequestOutput as Output, Uid
@@ -34,6 +34,7 @@ def check_all(report: Report) -> None:
         check_session(log, sc.channel_capacity, sc.stall_timeout_s, report.engine)
     for index, rec in enumerate(report.records):
         check_client(report, index, rec)
+    check_overload(report)
 
 
 # -- invariant 1: nothing left -------------------------------------------------------------------
@@ -62,7 +63,7 @@ def check_front_idle(ae: AsyncEngine) -> None:
     sessions gauge at 0."""
     assert ae.num_sessions == 0, f"{ae.num_sessions} live session(s) left in the front end"
     assert ae.live_uids() == [], f"per-uid entries left in the front end: {ae.live_uids()}"
-    assert ae.statistics() == RouterStatistics(0, 0, 0, 0), f"front end not idle: {ae.statistics()}"
+    assert ae.statistics() == RouterStatistics(), f"front end not idle: {ae.statistics()}"
     assert ae.metrics.sessions_active._value.get() == 0, "sessions_active gauge is not 0"
 
 
@@ -379,6 +380,8 @@ def check_client(report: Report, index: int, rec: Record) -> None:
             f"{who}: EngineUnavailable without a shutdown (the runtime's errors: "
             f"{runtime_errors()})"
         )
+    elif rec.outcome in ("RequestTimeout", "EngineOverloaded"):
+        pass  # check_overload checked the deadline and the queue time against the worker's steps
     elif rec.outcome in ("left", "cancelled"):
         if rec.outcome == "left":
             assert len(rec.reads) == req.client.k, f"{who}: left after {len(rec.reads)} reads"
@@ -392,11 +395,19 @@ def check_client(report: Report, index: int, rec: Record) -> None:
 def _check_refusal(report: Report, who: str, rec: Record) -> None:
     sc, req = report.scenario, rec.request
     if rec.outcome == "EngineOverloaded":
-        # The front end counts the sequences that have no first output yet; all it can be is at
-        # most the uids it tracks.
-        assert rec.live_at_entry + len(req.choices) > sc.max_waiting, (
-            f"{who}: overloaded with {rec.live_at_entry} live sequences of {sc.max_waiting}"
-        )
+        # The front end counts the sequences the worker has not scheduled yet; all it can be is
+        # at most the uids it tracks. The token bound refuses only while something waits.
+        reason = rec.error.reason  # type: ignore[union-attr]
+        if reason == "queue_full":
+            assert rec.live_at_entry + len(req.choices) > sc.max_waiting, (
+                f"{who}: overloaded with {rec.live_at_entry} live sequences of {sc.max_waiting}"
+            )
+        else:
+            assert reason == "queue_tokens" and sc.max_waiting_tokens is not None, (
+                f"{who}: refused at the door for {reason!r}")
+            assert rec.live_at_entry > 0 and len(req.prompt) * len(req.choices) > 0, (
+                f"{who}: refused for queued tokens with nothing queued")
+        assert rec.error.retry_after_s >= 1, f"{who}: Retry-After {rec.error.retry_after_s}"  # type: ignore[union-attr]
     elif rec.outcome == "EngineUnavailable":
         sd = report.shutdown.started
         assert sd is not None and rec.entry.seq > sd.seq, (
@@ -405,3 +416,60 @@ def _check_refusal(report: Report, who: str, rec: Record) -> None:
     else:
         raise AssertionError(f"{who}: not admitted, yet the outcome is {rec.outcome}: {rec.error!r}")
     assert not rec.reads
+
+
+# -- overload: deadlines, the queue-time limit, refusals -------------------------------------------
+
+
+def check_overload(report: Report) -> None:
+    """For every request that got a session (it entered at ``t0``, the same virtual instant as
+    its session opened):
+
+    * with a ``timeout`` T: every one of its sequences the worker had ended there by ``t0 + T``
+      (an engine step of the fake model takes no virtual time, so "plus one engine step" is the
+      same instant; invariant 4 bounds the steps after the end), and a ``RequestTimeout`` came no
+      earlier than ``t0 + T``;
+    * with ``max_queue_time_s`` L: the worker first scheduled one of its sequences by ``t0 + L``;
+      a request refused for its queue time (``EngineOverloaded`` ``queue_time``) was refused at
+      ``t0 + L`` exactly and had not been scheduled before (a step at that same instant may
+      have started it: the refusal aborts it then, as a disconnect would).
+
+    And a request refused at the door never reached the worker: every uid the engine was given
+    belongs to a session."""
+    sc, e = report.scenario, report.engine
+    sessions = set(report.tap.sessions)
+    strangers = sorted(uid for uid in e.admitted if uid[0] not in sessions)  # type: ignore[index]
+    assert not strangers, f"the worker got sequences of requests refused at the door: {strangers}"
+    limit = sc.max_queue_time_s
+    for index, rec in enumerate(report.records):
+        if rec.log is None:
+            continue
+        who, t0 = _who(index, rec), rec.log.entered.time
+        uids = [u for u in rec.log.uids if u in e.admitted]
+        timeout = rec.request.timeout
+        if timeout is not None and not report.hard_stop:
+            late = {u: e.end_event[u].time for u in uids if u in e.end_event
+                    and e.end_event[u].time > t0 + timeout + EPS}
+            never = [u for u in uids if u not in e.end_event]
+            assert not late and not never, (
+                f"{who}: deadline t={t0 + timeout}, but its sequences ended in the worker at "
+                f"{late}, or never: {never}")
+        if isinstance(rec.error, RequestTimeout):
+            assert timeout is not None and rec.error_event.time >= t0 + timeout - EPS, (  # type: ignore[union-attr]
+                f"{who}: RequestTimeout at t={rec.error_event.time} before its deadline "  # type: ignore[union-attr]
+                f"({timeout} s after t={t0})")
+        first = [e.first_scheduled[u].time for u in uids if u in e.first_scheduled]
+        if isinstance(rec.error, EngineOverloaded):
+            assert rec.error.reason == "queue_time" and limit is not None, (
+                f"{who}: refused with {rec.error.reason!r} after its session opened")
+            aborts = [e.abort_event[u].time for u in uids if u in e.abort_event]
+            assert all(abs(t - (t0 + limit)) <= EPS for t in aborts), (
+                f"{who}: refused for its queue time; its sequences were aborted at {aborts}, "
+                f"the limit is t={t0 + limit}")
+            assert all(t >= t0 + limit - EPS for t in first), (
+                f"{who}: refused for its queue time (limit t={t0 + limit}), but the worker "
+                f"had scheduled it at t={min(first)}")
+        elif limit is not None and first:
+            assert min(first) <= t0 + limit + EPS, (
+                f"{who}: first scheduled at t={min(first)}, past its queue-time limit "
+                f"t={t0 + limit}, and not refused")

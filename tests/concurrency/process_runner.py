@@ -165,7 +165,7 @@ async def _run_one(ae: AsyncEngine, sc: ProcessScenario) -> ProcessRun:
     finally:
         tap.detach()
     # The front end ends a session synchronously: nothing may be left of any request now.
-    if ae.statistics() != RouterStatistics(0, 0, 0, 0):
+    if ae.statistics() != RouterStatistics():
         run.front_idle = f"{ae.statistics()}, live uids {ae.live_uids()}"
     run.ends_after = requests_ended(ae.metrics)
     # The worker hears of the last aborts asynchronously; its statistics must come back to idle.

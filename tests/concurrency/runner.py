@@ -203,9 +203,9 @@ class SessionTap:
         self._inner = getattr(ae, self._name)
         setattr(ae, self._name, self._tapped)
 
-    def generate(self, prompt_ids: list[int], params: list):
+    def generate(self, prompt_ids: list[int], params: list, timeout_s: float | None = None):
         """``ae.generate``, tapped (what the engine suite's clients call)."""
-        return self.ae.generate(prompt_ids, params)
+        return self.ae.generate(prompt_ids, params, timeout_s)
 
     def _tapped(self, *args, **kwargs):
         if self._name == "generate_batch":
@@ -300,6 +300,7 @@ class ProbeEngine(Engine):
         self.after_end: Counter[Hashable] = Counter()  # steps a uid was in after the front end ended it
         self.failed_uids: set[Hashable] = set()  # uids carried by a step that raised
         self.in_flight: set[Hashable] = set()  # uids of the plan between schedule and commit
+        self.first_scheduled: dict[Hashable, Event] = {}  # uid -> the step that first carried it
         self._step_of_plan = 0
         self._idle_at, self._idle_spins = -1.0, 0
 
@@ -326,7 +327,10 @@ class ProbeEngine(Engine):
 
     def schedule(self) -> StepPlan | None:
         self.calls += 1
+        waiting_before = list(self.scheduler.waiting)
+        running_before = set(self.scheduler.running)
         plan = super().schedule()
+        self._check_priorities(waiting_before, running_before)
         if plan is None:
             # Nothing to run: the worker now waits for a frame from the front end. If it comes
             # back again and again at the same virtual time, it spins.
@@ -369,7 +373,32 @@ class ProbeEngine(Engine):
             if seq.pages:
                 self.violation(f"step {self.stats.steps}: preempted {seq.uid} kept pages")
         self.in_flight = {it.seq.uid for it in sched.items}
+        now = self.probe.now()
+        for it in sched.items:
+            self.first_scheduled.setdefault(it.seq.uid, now)
         return plan
+
+    def _check_priorities(self, waiting_before: list[Sequence], running_before: set[Sequence]) -> None:
+        """Priority order at this admission: no sequence that was waiting (and ready) and is
+        still waiting comes before, by (priority, arrival), one this step admitted; and a ready
+        sequence preempted this step is of the lowest priority (and then the youngest) of those
+        still running after it (paused ones go first, whatever their priority)."""
+        sched = self.scheduler
+        admitted = [s for s in waiting_before if s.status is Status.RUNNING]
+        left = [s for s in waiting_before if s.status is Status.WAITING and s.ready]
+        if admitted and left:
+            last, first_left = max(s.queue_key for s in admitted), min(left, key=lambda s: s.queue_key)
+            if first_left.queue_key < last:
+                self.violation(
+                    f"step {self.stats.steps + 1}: admitted a sequence of (priority, arrival) "
+                    f"{last} while {first_left.uid} {first_left.queue_key} was still waiting")
+        preempted = [s for s in running_before if s.status is Status.WAITING and s.ready]
+        for victim in preempted:
+            above = [s for s in sched.running if s.queue_key > victim.queue_key]
+            if above:
+                self.violation(
+                    f"step {self.stats.steps + 1}: preempted {victim.uid} {victim.queue_key} while "
+                    f"{above[0].uid} {above[0].queue_key} of a lower priority (or younger) ran on")
 
     def execute(self, plan: StepPlan):
         self.calls += 1
@@ -562,12 +591,12 @@ async def run_client(tap: SessionTap, index: int, req: Request, rec: Record, spa
     for _ in range(req.ticks):
         await trio.lowlevel.checkpoint()
     client = req.client
-    params = [c.params() for c in req.choices]
+    params = [c.params(req.priority) for c in req.choices]
     rec.live_at_entry = len(tap.ae.live_uids())
     rec.entry = probe.now()
     try:
         with trio.CancelScope() as cs:
-            async with tap.generate(list(req.prompt), params) as stream:
+            async with tap.generate(list(req.prompt), params, req.timeout) as stream:
                 rec.request_id = stream.request_id
                 rec.log = tap.sessions[stream.request_id]
                 rec.admitted_event = probe.now()
@@ -647,7 +676,9 @@ async def _main(sc: Scenario, guard: SpinGuard) -> Report:
         len(r.prompt) + (c.max_tokens or shape.max_model_len) for r in sc.requests for c in r.choices
     ))
     settings = scenario_settings(channel_capacity=sc.channel_capacity,
-                                 stall_timeout_s=sc.stall_timeout_s, max_waiting=sc.max_waiting)
+                                 stall_timeout_s=sc.stall_timeout_s, max_waiting=sc.max_waiting,
+                                 max_waiting_tokens=sc.max_waiting_tokens,
+                                 max_queue_time_s=sc.max_queue_time_s)
     records = [Record(req) for req in sc.requests]
     sd_rec = ShutdownRecord()
     engine_scope = trio.CancelScope()

@@ -69,8 +69,9 @@ class Choice:
     def ends_at_eos(self) -> bool:
         return not self.ignore_eos or self.constrained
 
-    def params(self) -> SamplingParams:
+    def params(self, priority: int = 0) -> SamplingParams:
         return SamplingParams(
+            priority=priority,
             temperature=0,
             max_tokens=self.max_tokens,
             stop_token_ids=self.stop_token_ids,
@@ -88,11 +89,16 @@ def _any_text_grammar() -> str:
 
 @dataclass(frozen=True)
 class Request:
+    """``priority``: every choice's (lower first); ``timeout``: the request's deadline in
+    seconds from when its session opens (``generate(..., timeout_s)``), None for none."""
+
     prompt: tuple[int, ...]
     choices: tuple[Choice, ...]
     arrival: float = 0.0
     ticks: int = 0
     client: Client = Client()
+    priority: int = 0
+    timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,10 @@ class Scenario:
     fail_steps: frozenset[int] = frozenset()  # 1-based engine steps whose execute raises
     shutdown: Shutdown | None = None
     sched_seed: int = 0  # seeds trio's run-queue shuffling: the interleaving is part of the example
+    # Overload settings (None: off): the waiting queue's bound in prompt tokens, the queue-time
+    # limit.
+    max_waiting_tokens: int | None = None
+    max_queue_time_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,8 @@ def requests(draw: st.DrawFn, shape: EngineShape, bases: list[tuple[int, ...]],
         arrival=float(draw(st.integers(0, 10))),
         ticks=draw(st.integers(0, 30)),
         client=draw(clients()),
+        priority=sometimes(draw, st.integers(-1, 2), 0, one_in=2),
+        timeout=sometimes(draw, st.integers(1, 40).map(lambda k: k / 2), None, one_in=4),
     )
 
 
@@ -150,6 +152,8 @@ def scenarios(draw: st.DrawFn, max_requests: int = 24, max_n: int = 3) -> Scenar
         ),
         shutdown=sometimes(draw, shutdowns(), None, one_in=5),
         sched_seed=draw(st.integers(0, 2**16)),
+        max_waiting_tokens=sometimes(draw, st.integers(1, 120), None, one_in=6),
+        max_queue_time_s=sometimes(draw, st.integers(1, 20).map(float), None, one_in=4),
     )
 
 

@@ -24,8 +24,15 @@ def report_events(report: Report) -> None:
         event("a step raised")
     if report.scenario.shutdown is not None:
         event(f"shutdown: {report.scenario.shutdown.kind}")
+    if report.scenario.max_queue_time_s is not None:
+        event("a queue-time limit")
+    if len({r.priority for r in report.scenario.requests}) > 1:
+        event("mixed priorities")
     for rec in report.records:
         event(f"outcome: {rec.outcome}")
+        reason = getattr(rec.error, "reason", None)
+        if reason is not None:
+            event(f"refused: {reason}")
         if rec.cancel_phase is not None:
             event(f"cancelled while: {rec.cancel_phase}")
 

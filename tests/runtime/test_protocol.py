@@ -92,13 +92,15 @@ def test_a_session_owns_its_uids_credits_and_pause() -> None:
     session = router.open(7, [[5], [6]], [SamplingParams()], credits=2)
     assert router.live_uids() == [(7, 0), (7, 1)] and router.num_waiting == 2
     clock.now = 1.0
+    router.deliver([], [], RequestFailed, admitted=[(7, 0)])  # a first scheduling: out of the queue
+    assert router.num_waiting == 1 and router.waiting_tokens == 1 and router.oldest_queued() is None
     router.deliver([RequestOutput((7, 0), [3], None, None, None, 1, 1)] * 2, [], RequestFailed)
-    assert router.num_waiting == 0 and session.paused_since == 1.0
+    assert router.num_waiting == 1 and session.paused_since == 1.0
     outs = [session.receive.receive_nowait(), session.receive.receive_nowait()]
     session.take(outs)  # two credits back: resumed
     assert session.paused_since is None and router.oldest_paused() is None
-    session.finish(1)  # a stop string: aborted in the worker
-    assert router.live_uids() == [(7, 0)]
+    session.finish(1)  # a stop string: aborted in the worker, and out of the queue
+    assert router.live_uids() == [(7, 0)] and router.num_waiting == 0 and router.waiting_tokens == 0
     frame = FrameDecoder(ToWorker).feed(router.data_to_send())
     assert [type(m) for m in frame] == [Add, Add, Abort, Credit]
     router.deliver([RequestOutput((7, 1), [4], None, None, None, 1, 1)], [], RequestFailed)  # dropped

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from trio_infer.api.protocol import _Strict
+from trio_infer.api.protocol import Priority, Timeout, _Strict
 
 
 class TextBlock(_Strict):
@@ -116,3 +116,6 @@ class MessagesRequest(CountTokensRequest):
     top_k: Annotated[int, Field(ge=0, lt=2**31)] | None = None
     metadata: Metadata | None = None  # accepted, changes nothing
     service_tier: Literal["auto", "standard_only"] | None = None  # accepted, changes nothing
+    # Overload extensions, as on chat (api/protocol.py).
+    timeout: Timeout | None = None
+    priority: Priority | None = None

@@ -182,7 +182,7 @@ def plan_messages(req: MessagesRequest, tokenizer: Any, limits: ModelLimits,
     body["max_completion_tokens"] = req.max_tokens
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
-    body.update(sampling_fields(req, ("temperature", "top_p", "top_k")))
+    body.update(sampling_fields(req, ("temperature", "top_p", "top_k", "timeout", "priority")))
     plan = plan_as_chat(body, tokenizer, limits, _renamer(origins), reasoning, thinking_token_budget)
     plan.id = f"msg_{uuid.uuid4().hex}"
     return plan

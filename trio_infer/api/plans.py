@@ -66,6 +66,9 @@ class Plan:
     include_stop_str: bool = False
     # A chat request to a reasoning model: its thinking is split out of the answer (events.py).
     reasoning: ReasoningPlan | None = None
+    # The request's 'timeout' field: its deadline in seconds (routes.py adds X-Request-Timeout,
+    # the runtime request_timeout_s). Its 'priority' is in each SamplingParams.
+    timeout_s: float | None = None
 
     @property
     def n(self) -> int:
@@ -317,6 +320,7 @@ def _sampling(
         logit_bias=tuple((t, b) for t, b in bias if b != 0),
         thinking_budget=thinking[0],
         think_ids=thinking[1] if thinking[0] is not None else (),
+        priority=req.priority or 0,
     )
     # Choice i of a seeded request uses seed + i: the choices differ, and the whole request
     # replays exactly with the same seed. (In a batch, choice i of every prompt: a prompt gives
@@ -430,6 +434,7 @@ def plan_chat(
         stream=bool(req.stream),
         tools=tools,
         reasoning=think,
+        timeout_s=req.timeout,
         **_text_options(req),
     )
 
@@ -475,5 +480,6 @@ def plan_completion(req: CompletionRequest, tokenizer: Any, limits: ModelLimits)
         logprobs=req.logprobs,
         stream=bool(req.stream),
         echo=echo,
+        timeout_s=req.timeout,
         **_text_options(req),
     )

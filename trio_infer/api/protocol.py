@@ -193,6 +193,12 @@ LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
                  Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]]
 
 
+# A request's deadline in seconds (a week at most: a bigger number is a mistake) and its
+# priority (bounded so it stays an int32 on the wire).
+Timeout = Annotated[float, Field(gt=0, le=7 * 86400, allow_inf_nan=False)]
+Priority = Annotated[int, Field(ge=-(2**31), lt=2**31)]
+
+
 class _SamplingFields(_Strict):
     """Sampling and stopping fields shared by both endpoints. ``None`` means "the default"."""
 
@@ -229,6 +235,10 @@ class _SamplingFields(_Strict):
     guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    # Overload (trio-infer's extensions, docs/lifecycle.md): the request's deadline in seconds
+    # (overrides X-Request-Timeout and request_timeout_s), and vLLM's priority (lower first).
+    timeout: Timeout | None = None
+    priority: Priority | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

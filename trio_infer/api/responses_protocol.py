@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from trio_infer.api.protocol import _Strict
+from trio_infer.api.protocol import Priority, Timeout, _Strict
 
 
 class ContentPart(_Strict):
@@ -139,3 +139,6 @@ class ResponsesRequest(_Strict):
     presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
+    # Overload extensions, as on chat (api/protocol.py).
+    timeout: Timeout | None = None
+    priority: Priority | None = None

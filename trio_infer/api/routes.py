@@ -10,8 +10,8 @@ Where a request's state lives and when it dies:
 * a completions batch (several prompts) is one session whose sequences are every choice of every
   prompt, read by the handler's own task: leaving the block ends all of them at once, exactly as
   for one prompt.
-* streaming: the handler checks admission before the response starts (503 is still a status),
-  and the body generator enters the session: leaving the generator for any reason (end,
+* streaming: the handler checks admission before the response starts (503 and 429 are still
+  statuses), and the body generator enters the session: leaving the generator for any reason (end,
   disconnect, cancellation) leaves the block. A client gone before the body started never
   entered a session, so there is nothing to clean up.
 
@@ -25,8 +25,10 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import re
 import time
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any, Callable
 
@@ -134,7 +136,8 @@ def live_tasks() -> int:
 def status_body(state: ServerState) -> dict[str, Any]:
     """What ``GET /v1/status`` answers: health, how far a load got (while the model loads or the
     worker restarts), the engine's gauges, the token counters (a client derives rates from two
-    readings and their ``time``) and the front end's live tasks."""
+    readings and their ``time``), the overload refusals and deadlines, and the front end's live
+    tasks."""
     values = state.metrics.snapshot()
     count = lambda name: int(values.get("trio_infer_" + name, 0))  # noqa: E731
     problem = health_problem(state)
@@ -159,6 +162,10 @@ def status_body(state: ServerState) -> dict[str, Any]:
         "tokens": {
             "prompt": count("prompt_tokens_total"),
             "generated": count("generation_tokens_total"),
+        },
+        "overload": {
+            "refused": state.metrics.refusals(),  # 429s by reason, since start
+            "timeouts": count("request_timeouts_total"),  # deadlines that passed
         },
         "tasks": live_tasks(),
         "compute": compute_body(state),
@@ -408,15 +415,52 @@ def _options(plan: Plan) -> TextOptions:
 MakeSerializer = Callable[[Plan, TokenText], Serializer]
 
 
+TIMEOUT_HEADER = "X-Request-Timeout"
+
+
+def request_timeout(plan: Plan) -> float | None:
+    """The request's deadline in seconds: its ``timeout`` field, else its ``X-Request-Timeout``
+    header (checked as the field is), else None (the runtime applies ``request_timeout_s``)."""
+    if plan.timeout_s is not None:
+        return plan.timeout_s
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 7 * 86400:  # NaN fails too
+        raise APIError(400, f"The {TIMEOUT_HEADER} header must be a number of seconds in "
+                       f"(0, 604800] (got {raw[:40]!r}).", param=TIMEOUT_HEADER, code="invalid_timeout")
+    return value
+
+
 async def _serve(state: ServerState, plan: Plan, make: MakeSerializer = serializer) -> Response:
+    timeout_s = request_timeout(plan)
     if plan.stream:
-        return await _stream(state, plan, make)
-    return await _complete(state, plan, make)
+        return await _stream(state, plan, make, timeout_s)
+    return await _complete(state, plan, make, timeout_s)
 
 
-async def _complete(state: ServerState, plan: Plan, make: MakeSerializer = serializer) -> Response:
+async def _resumed(first: str, rest: Any) -> Any:
+    """``first``, then the rest of the started body ``rest``, closed whatever happens."""
+    async with aclosing(rest):
+        if first:
+            yield first
+        async for chunk in rest:
+            yield chunk
+
+
+def _queued_tokens(plan: Plan) -> int:
+    return sum(len(p) for p in plan.prompts) * plan.n
+
+
+async def _complete(state: ServerState, plan: Plan, make: MakeSerializer = serializer,
+                    timeout_s: float | None = None) -> Response:
     async with open_batch_text_stream(
-        state.engine, state.tokenizer, plan.prompts, plan.params, plan.stop, options=_options(plan)
+        state.engine, state.tokenizer, plan.prompts, plan.params, plan.stop, options=_options(plan),
+        timeout_s=timeout_s,
     ) as text:
         async for _ in text:
             pass
@@ -425,24 +469,39 @@ async def _complete(state: ServerState, plan: Plan, make: MakeSerializer = seria
     return json_response(body)
 
 
-async def _stream(state: ServerState, plan: Plan, make: MakeSerializer = serializer) -> Response:
+async def _stream(state: ServerState, plan: Plan, make: MakeSerializer = serializer,
+                  timeout_s: float | None = None) -> Response:
     # Admission before the response starts: a full queue or a draining server is still a real
-    # HTTP status (503), not an error event. The session itself is entered in the body, so a
-    # client that leaves before the body starts leaves nothing behind.
-    state.engine.check_admission(plan.num_choices)
+    # HTTP status (429, 503), not an error event. The session itself is entered in the body, so
+    # a client that leaves before the body starts leaves nothing behind.
+    #
+    # With a queue-time limit, the status waits for the worker to start the request: the handler
+    # runs the body up to its first chunk, which it yields only once the request was scheduled;
+    # a refusal (429), a deadline (504) or a failure before that leaves the body with its
+    # session closed and becomes the status. The body is then suspended inside the session; if
+    # the response is dropped unsent (a client gone right then), trio's finalizer of unfinished
+    # async generators closes it, and the session with it.
+    state.engine.check_admission(plan.num_choices, _queued_tokens(plan))
     engine, tokenizer, interval = state.engine, state.tokenizer, state.settings.stream_interval
     events = ResponseEvents(plan)
     writer = make(plan, state.texts)
+    hold = state.settings.max_queue_time_s is not None
 
     async def body():  # type: ignore[no-untyped-def]
         # Trap 5: no `request` in here; everything needed was captured above.
+        first = writer.first()
+        sent = not hold  # whether the status is gone (an error is an event from then on)
         try:
-            first = writer.first()
-            if first:
+            if not hold and first:
                 yield first
             async with open_batch_text_stream(
-                engine, tokenizer, plan.prompts, plan.params, plan.stop, interval, _options(plan)
+                engine, tokenizer, plan.prompts, plan.params, plan.stop, interval, _options(plan),
+                timeout_s,
             ) as text:
+                if hold:
+                    await text.admitted()
+                    sent = True
+                    yield first  # the handler's: it returns the response now
                 counts = text.choices if plan.continuous_usage else None
                 async for deltas in text:
                     # One write per read of the stream, whatever it held: each write is an ASGI
@@ -454,13 +513,20 @@ async def _stream(state: ServerState, plan: Plan, make: MakeSerializer = seriali
                         yield chunks
             tail = writer.end(text.choices)
         except EngineError as exc:
+            if not sent:
+                raise  # still in the handler: a status
             # Trap 6: an error after the first byte becomes an event, never a cut body.
             tail = writer.failed(from_engine_error(exc))
         except Exception:
+            if not sent:
+                raise
             log.exception("error while streaming a response")
             tail = writer.failed(internal_error())
         yield tail
 
-    response = await make_response(body(), 200, sse.HEADERS)
+    content = body()
+    if hold:
+        content = _resumed(await content.__anext__(), content)
+    response = await make_response(content, 200, sse.HEADERS)
     response.timeout = None  # trap 1: Quart's 60 s RESPONSE_TIMEOUT would cut long streams
     return response

@@ -1,4 +1,4 @@
-"""``python -m trio_infer.bench {offline,serve,startup,frontend,constrained,memory,dp,llama-server}``"""
+"""``python -m trio_infer.bench {offline,serve,overload,startup,frontend,constrained,memory,dp,llama-server}``"""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from trio_infer.bench import (
     llamaserver,
     memory,
     offline,
+    overload,
     serve,
     startup,
     versus,
@@ -21,6 +22,8 @@ COMMANDS = {
     "offline": (offline, "the engine alone vs transformers baselines"),
     "serve": (serve, "streaming load generator for an OpenAI-compatible server; with "
                      "--baseline llama-server, ours against llama.cpp's server end to end"),
+    "overload": (overload, "a burst of 10x capacity against our server: 200 or 429 with "
+                           "Retry-After, TTFT bound, priorities (issue 24)"),
     "startup": (startup, "seconds to the first /health answer and to healthy: serve, bare "
                          "hypercorn, llama-server"),
     "frontend": (frontend, "our HTTP stack alone, over a fake model"),

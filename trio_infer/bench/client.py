@@ -46,6 +46,8 @@ class StreamResult:
 
     ok: bool = False
     error: str | None = None
+    status: int = 0  # the HTTP status (0: no response)
+    retry_after: str | None = None  # its Retry-After header, if any
     start: float = 0.0  # request about to be sent
     end: float = 0.0  # stream over (or failed)
     # Arrival time of each token-carrying event (one whose choices carry text: a completion's
@@ -168,7 +170,10 @@ async def _read_sse(stream: trio.SocketStream, ep: Endpoint, path: str, raw: byt
             conn.receive_data(data)
             continue
         if isinstance(event, h11.Response):
-            status = event.status_code
+            status = res.status = event.status_code
+            for name, value in event.headers:
+                if name == b"retry-after":
+                    res.retry_after = value.decode("latin-1")
         elif isinstance(event, h11.Data):
             if status != 200:
                 error_body.append(bytes(event.data))

@@ -148,6 +148,10 @@ class Engine:
         self._retire(seq, "abort")
         return True
 
+    def take_admitted(self) -> list[Hashable]:
+        """The uids scheduled for the first time since the last call (their queue time ended)."""
+        return [seq.uid for seq in self.scheduler.take_admitted()]
+
     def set_ready(self, uid: Hashable, ready: bool) -> None:
         """Pause (False) or resume (True) a request whose reader is behind. Keeps its state."""
         seq = self._seqs.get(uid)

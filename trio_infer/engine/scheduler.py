@@ -3,14 +3,22 @@
 Each step the scheduler picks which tokens run, under two caps: ``max_running`` admitted
 sequences and a budget of ``max_batched_tokens`` tokens per step. Running sequences go first,
 oldest first, so decodes never starve behind a long prompt; a prompt longer than what is left of
-the budget is prefilled in chunks over several steps. Waiting sequences are admitted in arrival
-order while the budget, the cap and the free pages allow.
+the budget is prefilled in chunks over several steps. Waiting sequences are admitted in the order
+of their ``queue_key``, priority (``SamplingParams.priority``, lower first: vLLM's) then arrival,
+while the budget, the cap and the free pages allow; the head of the queue is never overtaken by
+a lower-priority sequence (a head that does not fit stops admission).
 
 When a running sequence needs a page and the pool is dry, a victim is *preempted*: its pages are
-freed and it goes back to the head of the queue, to be recomputed from its tokens later. Paused
-sequences are picked first (they make no progress anyway), then the youngest running ones, so
-the oldest sequence always progresses. The engine caps the context at the pool's size, so a
-sequence alone can always finish.
+freed and it goes back to the queue at its own key (ahead of every younger sequence of its
+priority), to be recomputed from its tokens later. Paused sequences are picked first (they make
+no progress anyway), lowest priority first, then the running one of lowest priority, youngest
+first, so a higher-priority sequence is never preempted while a lower-priority one holds pages,
+and among equals the oldest always progresses. A victim that this step had already scheduled
+loses its item (and gives its tokens back to the budget). The engine caps the context at the
+pool's size, so a sequence alone can always finish.
+
+Each sequence's first scheduling is recorded (:meth:`Scheduler.take_admitted`): the worker tells
+the front end, for which that is the end of the request's queue time.
 
 A sequence whose ``ready`` flag is False (its reader is behind) is skipped without losing anything:
 it keeps its pages and resumes when the flag comes back.
@@ -27,7 +35,8 @@ A sequence with ``max_tokens == 0`` prefills its prompt and never samples.
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import itertools
 from dataclasses import dataclass
 
 from trio_infer.engine.kv_cache import OutOfPages, PagePool
@@ -69,15 +78,23 @@ class Scheduler:
         # max_batched_tokens >= max_running (a decode is one token): EngineConfig checks it.
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[Sequence] = []  # sorted by Sequence.queue_key
         self.running: list[Sequence] = []  # admission order, oldest first
+        self._arrivals = itertools.count()
+        self._admitted: list[Sequence] = []  # scheduled for the first time since the last take
         self.prefix_cache = prefix_cache
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which served from it
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        seq.arrival = next(self._arrivals)
+        self._enqueue(seq)
+
+    def take_admitted(self) -> list[Sequence]:
+        """The sequences scheduled for the first time since the last call (still live or not)."""
+        admitted, self._admitted = self._admitted, []
+        return admitted
 
     def remove(self, seq: Sequence) -> None:
         """Take ``seq`` out of the queues and give back its pages (finish or abort)."""
@@ -107,6 +124,11 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is seq:
                     break
+                for k, it in enumerate(items):  # a lower-priority victim this step scheduled
+                    if it.seq is victim:
+                        budget += it.num_tokens
+                        del items[k]
+                        break
             if seq.status is not Status.RUNNING:
                 continue  # preempted itself; running[i] is now the next sequence
             if len(preempted) > preempted_before:
@@ -115,13 +137,13 @@ class Scheduler:
             items.append(self._item(seq, n))
             budget -= n
 
-        # Admit new work, unless this step had to preempt (the pool is dry: admitting now would
-        # only thrash).
-        skipped: list[Sequence] = []
-        while self.waiting and budget and len(self.running) < self.max_running and not preempted:
-            seq = self.waiting[0]
+        # Admit new work in queue order (priority, then arrival), unless this step had to
+        # preempt (the pool is dry: admitting now would only thrash). Paused ones are skipped.
+        k = 0
+        while k < len(self.waiting) and budget and len(self.running) < self.max_running and not preempted:
+            seq = self.waiting[k]
             if not seq.ready:
-                skipped.append(self.waiting.popleft())
+                k += 1
                 continue
             self._attach_cached_prefix(seq)
             n = min(seq.num_pending, budget)
@@ -129,12 +151,14 @@ class Scheduler:
                 self._free(seq)
                 seq.num_computed = 0
                 break  # the pool is dry: new requests wait
-            self.waiting.popleft()
+            del self.waiting[k]
             seq.status = Status.RUNNING
             self.running.append(seq)
+            if not seq.admitted:
+                seq.admitted = True
+                self._admitted.append(seq)
             items.append(self._item(seq, n))
             budget -= n
-        self.waiting.extendleft(reversed(skipped))
 
         if not items:
             return None
@@ -201,18 +225,20 @@ class Scheduler:
         return True
 
     def _pick_victim(self, needy: Sequence) -> Sequence:
-        """Paused sequences first, then the youngest running one (possibly ``needy`` itself)."""
-        for seq in reversed(self.running):
-            if not seq.ready and seq is not needy:
-                return seq
-        return self.running[-1]
+        """Paused sequences first, then the running one of lowest priority (the highest value),
+        youngest first (possibly ``needy`` itself): ``max`` by key keeps the last of equals."""
+        paused = [seq for seq in self.running if not seq.ready and seq is not needy]
+        return max(paused or self.running, key=lambda seq: seq.queue_key)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=lambda s: s.queue_key)
 
     def _free(self, seq: Sequence) -> None:
         self.pool.release(seq.pages)

@@ -59,6 +59,16 @@ class Sequence:
     # since the last open tag (None: not thinking). Kept in the sampler (engine/sampler.py).
     think_read: int = 0
     think_count: int | None = None
+    # The scheduler's arrival number (its tie-break within a priority) and whether it was ever
+    # scheduled (the first time is reported to the front end as the end of its queue time).
+    arrival: int = 0
+    admitted: bool = False
+
+    @property
+    def queue_key(self) -> tuple[int, int]:
+        """Order of the waiting queue: priority (lower first), then arrival. A preempted sequence
+        keeps its key, so it goes back ahead of every younger one of its priority."""
+        return (self.params.priority, self.arrival)
 
     @property
     def num_output_tokens(self) -> int:

@@ -20,6 +20,16 @@ always has room for what arrives: the receive loop never waits on a request, and
 at most that many outputs whatever its client does. A session out of credits for
 ``stall_timeout_s`` is aborted with :class:`RequestStalled`.
 
+Overload (docs/lifecycle.md, "Overload and deadlines"): a request that would take the waiting
+queue past ``max_waiting`` sequences or ``max_waiting_tokens`` prompt tokens is refused at once
+(:class:`EngineOverloaded`, 429); one the worker has not scheduled ``max_queue_time_s`` after
+its arrival is closed with the same error (it never started its prefill); one whose deadline
+(``timeout_s``) passes is closed with :class:`RequestTimeout`. All three carry a
+``Retry-After``-style figure or a reason, and all the clocks are one: the receive loop waits for
+the next frame inside a cancel scope whose deadline is the earliest of every session's stall,
+queue-time and request deadline, so a request ends at its deadline whatever its own task is
+doing (reading, writing to a slow client, or nothing), and its abort is queued at once.
+
 Metrics are updated once per worker step here (token counter, inter-token latency = the gap
 between steps, the gauges from the step's statistics), and once per request by the router, never
 per token.
@@ -42,6 +52,7 @@ from trio_infer.runtime.errors import (
     EngineUnavailable,
     RequestFailed,
     RequestStalled,
+    RequestTimeout,
 )
 from trio_infer.runtime.router import Router, RouterStatistics
 from trio_infer.runtime.session import GenerationStream
@@ -105,35 +116,54 @@ class AsyncEngine:
 
     # -- the request side ---------------------------------------------------------------------
 
-    def check_admission(self, n: int) -> None:
-        """Raise what :meth:`generate` would raise for ``n`` new choices right now."""
+    def check_admission(self, n: int, tokens: int = 0) -> None:
+        """Raise what :meth:`generate` would raise for ``n`` new choices holding ``tokens`` prompt
+        tokens in all, right now: 503 reasons first, then the queue's bounds (429). The token
+        bound refuses only when something is queued already: a request alone always gets in
+        (its size is the context's business, checked before)."""
         if self.draining:
             raise EngineUnavailable("the server is shutting down")
         if not self.healthy:
             raise EngineUnavailable("the engine is not running (starting or restarting); retry shortly")
         if n < 1:
             raise ValueError("at least one choice is needed")
-        if self._router.num_waiting + n > self.settings.max_waiting:
-            raise EngineOverloaded("the waiting queue is full; retry later")
+        router, settings = self._router, self.settings
+        if router.num_waiting + n > settings.max_waiting:
+            self._refuse("queue_full", f"the waiting queue holds {router.num_waiting} sequences "
+                         f"(max_waiting {settings.max_waiting}); retry later", n)
+        cap = settings.max_waiting_tokens
+        if cap is not None and router.waiting_tokens and router.waiting_tokens + tokens > cap:
+            self._refuse("queue_tokens", f"the waiting queue holds {router.waiting_tokens} prompt "
+                         f"tokens (max_waiting_tokens {cap}); retry later", n)
+
+    def _refuse(self, reason: str, message: str, n: int) -> None:
+        self.metrics.requests_refused_total.labels(reason=reason).inc()
+        raise EngineOverloaded(message, reason, self._router.retry_after(self._router.num_waiting + n))
 
     def generate(
-        self, prompt_ids: list[int], params: list[SamplingParams]
+        self, prompt_ids: list[int], params: list[SamplingParams], timeout_s: float | None = None,
     ) -> AbstractAsyncContextManager[GenerationStream]:
         """Run one request with ``len(params)`` independent choices over ``prompt_ids``."""
-        return self.generate_batch([prompt_ids], params)
+        return self.generate_batch([prompt_ids], params, timeout_s)
 
     @asynccontextmanager
     async def generate_batch(
-        self, prompts: list[list[int]], params: list[SamplingParams]
+        self, prompts: list[list[int]], params: list[SamplingParams],
+        timeout_s: float | None = None,
     ) -> AsyncIterator[GenerationStream]:
         """Run one request over several prompts, each with ``len(params)`` choices: uid
         ``(request_id, j * len(params) + i)`` is choice i of prompt j, its own sequence in the
-        engine. One session, one channel: leaving the block ends every one of them."""
+        engine. One session, one channel: leaving the block ends every one of them. With
+        ``timeout_s`` (else ``request_timeout_s``) the request ends with :class:`RequestTimeout`
+        that long after it entered, wherever it is."""
         n = len(params)
-        self.check_admission(len(prompts) * n)
+        self.check_admission(len(prompts) * n, sum(len(p) for p in prompts) * n)
         assert self.info is not None
+        if timeout_s is None:
+            timeout_s = self.settings.request_timeout_s
         request_id = self.info.id_offset + next(self._ids) * self.info.id_stride
-        session = self._router.open(request_id, prompts, params, self.settings.channel_capacity)
+        session = self._router.open(request_id, prompts, params, self.settings.channel_capacity,
+                                    timeout_s)
         self.metrics.prompt_tokens_total.inc(sum(len(p) for p in prompts) * n)
         try:
             with session.receive:
@@ -204,11 +234,8 @@ class AsyncEngine:
                     return  # the worker is gone; the receive loop sees EOF
 
     async def _receive_loop(self, stream: MessageStream) -> None:
-        router, timeout = self._router, self.settings.stall_timeout_s
         while True:
-            oldest = router.oldest_paused()
-            deadline = math.inf if oldest is None else oldest.paused_since + timeout  # type: ignore[operator]
-            with trio.move_on_at(deadline):
+            with trio.move_on_at(self._next_deadline()):
                 messages = await stream.receive()
                 if not messages:
                     return  # EOF: the worker is gone
@@ -221,7 +248,37 @@ class AsyncEngine:
                     else:
                         raise ProtocolError(f"{type(message).__name__} from a running worker")
                 continue
-            self._abort_stalled()
+            self._expire()
+
+    def _next_deadline(self) -> float:
+        """The earliest of every session's deadlines: its stall (out of credits since), its
+        queue time (nothing scheduled yet) and its own deadline. ``_expire`` compares each with
+        the clock exactly as computed here."""
+        router, settings = self._router, self.settings
+        deadline = math.inf
+        if (paused := router.oldest_paused()) is not None:
+            deadline = paused.paused_since + settings.stall_timeout_s  # type: ignore[operator]
+        if settings.max_queue_time_s is not None and (queued := router.oldest_queued()) is not None:
+            deadline = min(deadline, queued.arrival + settings.max_queue_time_s)
+        if (first := router.next_deadline()) is not None:
+            deadline = min(deadline, first.deadline)  # type: ignore[type-var]
+        return deadline
+
+    def _expire(self) -> None:
+        """End every session whose deadline has passed: stalls, then queue times, then request
+        deadlines (each with its own error; closing a session aborts it in the worker)."""
+        self._abort_stalled()
+        router, now, limit = self._router, trio.current_time(), self.settings.max_queue_time_s
+        if limit is not None:
+            while (queued := router.oldest_queued()) is not None and queued.arrival + limit <= now:
+                self.metrics.requests_refused_total.labels(reason="queue_time").inc()
+                queued.close(EngineOverloaded(
+                    f"the request waited {limit:g} s (max_queue_time_s) without being scheduled; "
+                    "retry later", "queue_time", router.retry_after(router.num_waiting)),
+                    reason="error")
+        while (session := router.next_deadline()) is not None and session.deadline <= now:  # type: ignore[operator]
+            self.metrics.request_timeouts_total.inc()
+            session.close(RequestTimeout(session.timeout_s), reason="error")  # type: ignore[arg-type]
 
     def _step(self, step: Step) -> None:
         outputs = step.outputs
@@ -232,7 +289,7 @@ class AsyncEngine:
             if self._last_step is not None:
                 m.inter_token_latency.observe(now - self._last_step)
             self._last_step = now
-        self._router.deliver(outputs, step.failed, RequestFailed)
+        self._router.deliver(outputs, step.failed, RequestFailed, step.admitted)
         self._update_gauges(step.stats)
 
     def _abort_stalled(self) -> None:

@@ -9,7 +9,10 @@ and only here:
   an entry; nothing else in the front end tracks it);
 * how many outputs the worker may still send for each (its credits, see ``runtime/router.py``);
 * the channel its reader takes outputs from, with one slot per credit, so a delivery never waits;
-* since when it has been out of credits (its reader stopped reading), for the stall timeout.
+* since when it has been out of credits (its reader stopped reading), for the stall timeout;
+* which choices the worker has not scheduled yet (still queued: their prompt tokens count
+  against ``max_waiting_tokens``), when it first scheduled one (the end of its queue time, for
+  ``max_queue_time_s``), and its deadline (``timeout``), if any.
 
 The session talks to the :class:`~trio_infer.runtime.router.Router` that made it through its
 public methods only (queue an abort or a credit, say it paused or ended); the reader talks to the
@@ -31,16 +34,24 @@ if TYPE_CHECKING:
 
 
 class Session:
-    def __init__(self, router: Router, request_id: int, num_choices: int, credits: int,
-                 arrival: float) -> None:
+    def __init__(self, router: Router, request_id: int, prompt_tokens: Sequence[int], credits: int,
+                 arrival: float, timeout_s: float | None = None) -> None:
+        """``prompt_tokens``: each choice's prompt length (a choice per entry). With
+        ``timeout_s`` the request's deadline is ``arrival + timeout_s``."""
+        num_choices = len(prompt_tokens)
         self.request_id = request_id
         self.uids: list[Uid] = [(request_id, i) for i in range(num_choices)]
         self.arrival = arrival
+        self.timeout_s = timeout_s
+        self.deadline = None if timeout_s is None else arrival + timeout_s
         self.started = False  # has produced its first output
+        self.admitted_at: float | None = None  # when the worker first scheduled one of its choices
+        self.scheduled = trio.Event()  # set at the first scheduling, or when the session ends
         self.error: EngineError | None = None  # what the reader gets after the last output
         self.paused_since: float | None = None  # a live choice has no credit left since then
         self._router = router
         self._credits: dict[int, int] = dict.fromkeys(range(num_choices), credits)
+        self._queued: dict[int, int] = dict(enumerate(prompt_tokens))  # not yet scheduled
         self._send, self.receive = trio.open_memory_channel[RequestOutput](credits * num_choices)
 
     # -- what it knows ------------------------------------------------------------------------
@@ -59,6 +70,15 @@ class Session:
     @property
     def num_live(self) -> int:
         return len(self._credits)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens of its choices the worker has not scheduled yet."""
+        return sum(self._queued.values())
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queued)
 
     # -- the worker's side (called by the router) -----------------------------------------------
 
@@ -82,6 +102,16 @@ class Session:
         else:
             self._end(index, out.finish_reason)
             self._resume_if_ready()
+
+    def admit(self, index: int, now: float) -> None:
+        """The worker scheduled choice ``index`` for the first time: it left the queue."""
+        tokens = self._queued.pop(index, None)
+        if tokens is not None:
+            first = self.admitted_at is None
+            if first:
+                self.admitted_at = now
+                self.scheduled.set()
+            self._router.left_queue(self, tokens, admitted=True, first=first, now=now)
 
     def fail(self, index: int, error: EngineError) -> None:
         """The worker ended choice ``index`` with an error: the whole request ends with it."""
@@ -117,6 +147,7 @@ class Session:
             self._end(index, reason)
             self._router.abort((self.request_id, index))
         self._send.close()
+        self.scheduled.set()
         self._resume_if_ready()
         self._router.closed(self)
 
@@ -124,6 +155,9 @@ class Session:
 
     def _end(self, index: int, reason: str) -> None:
         del self._credits[index]
+        tokens = self._queued.pop(index, None)
+        if tokens is not None:  # it ends without ever being scheduled
+            self._router.left_queue(self, tokens, admitted=False, first=False, now=None)
         self._router.ended(self, index, reason)
         if not self._credits:
             self._send.close()  # the reader sees the end after the last output
@@ -165,3 +199,12 @@ class GenerationStream:
         """End choice ``index`` now, as a stop (a stop string matched in the text): its
         sequence stops costing compute. No-op if it already finished."""
         self._session.finish(index)
+
+    async def admitted(self) -> None:
+        """Return once the worker has scheduled one of the request's sequences (its prefill
+        started), or raise the error the request ended with before that (a queue-time refusal,
+        its deadline, a failure): what a streamed response waits for before its status."""
+        session = self._session
+        await session.scheduled.wait()
+        if session.admitted_at is None and session.error is not None:
+            raise session.error

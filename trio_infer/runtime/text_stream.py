@@ -175,6 +175,10 @@ class TextStream:
     def __aiter__(self) -> TextStream:
         return self
 
+    async def admitted(self) -> None:
+        """Return once the worker has started the request (:meth:`GenerationStream.admitted`)."""
+        await self._stream.admitted()
+
     async def __anext__(self) -> list[ChoiceDelta]:
         """The next read's deltas (never empty): what each choice has to say now."""
         choices, interval = self.choices, self._interval
@@ -233,6 +237,8 @@ class ChoiceTexts(Protocol):
 
     def __aiter__(self) -> Any: ...
 
+    async def admitted(self) -> None: ...
+
 
 class NothingToGenerate:
     """The text of a request that generates no token and asks for no prompt logprobs: every
@@ -245,6 +251,9 @@ class NothingToGenerate:
 
     def __aiter__(self) -> NothingToGenerate:
         return self
+
+    async def admitted(self) -> None:
+        """Nothing waits in a queue: at once."""
 
     async def __anext__(self) -> list[ChoiceDelta]:
         if self._done:
@@ -264,17 +273,19 @@ async def open_batch_text_stream(
     stop: Sequence[str] = (),
     interval: int = 1,
     options: TextOptions = DEFAULT_TEXT,
+    timeout_s: float | None = None,
 ) -> AsyncIterator[ChoiceTexts]:
     """:func:`open_text_stream` over several prompts, each with ``len(params)`` choices, in one
     session: each choice of each prompt is its own engine sequence, and leaving the block ends
-    them all. One prompt goes through ``engine.generate`` as :func:`open_text_stream` does."""
+    them all. One prompt goes through ``engine.generate`` as :func:`open_text_stream` does.
+    ``timeout_s``: the request's deadline (``AsyncEngine.generate_batch``)."""
     if all(p.max_tokens == 0 and p.prompt_logprobs is None for p in params):
         yield NothingToGenerate(tokenizer, prompts, len(params))
         return
     if len(prompts) == 1:
-        cm = engine.generate(prompts[0], params)
+        cm = engine.generate(prompts[0], params, timeout_s)
     else:
-        cm = engine.generate_batch(prompts, params)
+        cm = engine.generate_batch(prompts, params, timeout_s)
     async with cm as stream:
         yield TextStream(stream, tokenizer, prompts, len(params), stop, interval, batch=True,
                          options=options)

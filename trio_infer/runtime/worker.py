@@ -88,6 +88,7 @@ class WorkerCore:
         self._port_of: dict[Uid, int] = {}
         self._decoders = {p: FrameDecoder(ToWorker) for p in range(num_ports)}
         self._failed: dict[int, list[Failed]] = {}
+        self._admitted: dict[int, list[Uid]] = {}  # first scheduled, not yet told, by port
         self._sent_stats: dict[int, EngineStatistics] = {}
 
     def hello(self, port: int = 0) -> bytes:
@@ -137,10 +138,16 @@ class WorkerCore:
             self._end(uid)
         self._decoders[port] = FrameDecoder(ToWorker)
         self._failed.pop(port, None)
+        self._admitted.pop(port, None)
         self._sent_stats.pop(port, None)
 
     def schedule(self) -> StepPlan | None:
-        return self.engine.schedule()
+        plan = self.engine.schedule()
+        for uid in self.engine.take_admitted():  # their queue time ends: the next frame says so
+            port = self._port_of.get(uid)
+            if port is not None:
+                self._admitted.setdefault(port, []).append(uid)
+        return plan
 
     def run_step(self, plan: StepPlan) -> bytes:
         """Execute ``plan`` and commit it: the step's frame (one port)."""
@@ -207,8 +214,9 @@ class WorkerCore:
 
     def _frame(self, port: int, outputs: list[RequestOutput], stats: EngineStatistics) -> bytes:
         failed = self._failed.pop(port, [])
+        admitted = self._admitted.pop(port, [])
         self._sent_stats[port] = stats
-        return encode([Step(outputs, failed, stats)])
+        return encode([Step(outputs, failed, stats, admitted)])
 
     @property
     def live_uids(self) -> list[Uid]:
