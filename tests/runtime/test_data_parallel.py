@@ -170,12 +170,16 @@ async def test_requests_with_a_shared_prefix_share_a_worker_and_its_prefix_cache
     assert group.statistics().sessions == 0
 
 
-async def test_admission_bounds_the_groups_waiting_sequences() -> None:
-    async with in_process_group(group_settings(max_waiting=3)) as (group, _):
-        params = [SamplingParams(max_tokens=2)] * 2
-        async with group.generate([1, 2, 3], params), group.generate([4, 5, 6], [params[0]]):
-            with pytest.raises(EngineOverloaded):
-                group.check_admission(1)
+async def test_admission_bounds_each_workers_waiting_sequences() -> None:
+    """max_waiting bounds each worker's queue: a request is refused (429) only when even the
+    least loaded serving worker could not queue it."""
+    async with in_process_group(group_settings(max_waiting=2)) as (group, _):
+        two = [SamplingParams(max_tokens=2)] * 2
+        async with group.generate([1, 2, 3], two):
+            group.check_admission(1)  # the other worker's queue is empty
+            async with group.generate([4, 5, 6], two):
+                with pytest.raises(EngineOverloaded):
+                    group.check_admission(1)
         group.begin_drain()
         with pytest.raises(EngineUnavailable, match="shutting down"):
             group.check_admission(1)

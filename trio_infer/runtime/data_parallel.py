@@ -30,6 +30,7 @@ gauges the server exports are the group's sums (``Metrics.shares``); so is the p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import AsyncIterator, Sequence
@@ -40,7 +41,7 @@ import trio
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.affinity import PrefixAffinity, RoundRobin, RoutingStatistics
 from trio_infer.runtime.client import AsyncEngine
-from trio_infer.runtime.errors import EngineError, EngineOverloaded, EngineUnavailable
+from trio_infer.runtime.errors import EngineError, EngineUnavailable
 from trio_infer.runtime.router import RouterStatistics
 from trio_infer.runtime.session import GenerationStream
 from trio_infer.runtime.transport import open_worker_process
@@ -102,41 +103,45 @@ class DataParallelEngine:
     def statistics(self) -> RouterStatistics:
         """The group's per-request state, summed over the workers."""
         parts = [w.statistics() for w in self.workers]
-        return RouterStatistics(sum(p.sessions for p in parts), sum(p.live_uids for p in parts),
-                                sum(p.waiting for p in parts), sum(p.paused for p in parts))
+        return RouterStatistics(**{f.name: sum(getattr(p, f.name) for p in parts)
+                                   for f in dataclasses.fields(RouterStatistics)})
 
     def routing_statistics(self) -> RoutingStatistics:
         return self._policy.statistics()
 
     # -- the request side ---------------------------------------------------------------------
 
-    def check_admission(self, n: int) -> None:
-        """Raise what :meth:`generate` would raise for ``n`` new choices right now."""
+    def check_admission(self, n: int, tokens: int = 0) -> None:
+        """Raise what :meth:`generate` would raise for ``n`` new choices holding ``tokens`` prompt
+        tokens: 503 while no worker serves; otherwise the least loaded serving worker's own
+        check (its queue bounds, 429 with its Retry-After). The worker a request is routed to
+        checks again when it enters: each worker's queue is bounded, not only the group's."""
         if self.draining:
             raise EngineUnavailable("the server is shutting down")
-        if not self.healthy:
+        serving = [w for w in self.workers if w.healthy and not w.draining]
+        if not serving:
             raise EngineUnavailable("no batching worker is running (starting or restarting); "
                                     "retry shortly")
-        if n < 1:
-            raise ValueError("at least one choice is needed")
-        if self.statistics().waiting + n > self.settings.max_waiting:
-            raise EngineOverloaded("the waiting queue is full; retry later")
+        min(serving, key=lambda w: w.statistics().waiting).check_admission(n, tokens)
 
     def generate(
-        self, prompt_ids: list[int], params: list[SamplingParams]
+        self, prompt_ids: list[int], params: list[SamplingParams], timeout_s: float | None = None,
     ) -> AbstractAsyncContextManager[GenerationStream]:
         """Run one request with ``len(params)`` choices over ``prompt_ids`` on one worker."""
-        return self.generate_batch([prompt_ids], params)
+        return self.generate_batch([prompt_ids], params, timeout_s)
 
     @asynccontextmanager
     async def generate_batch(
-        self, prompts: list[list[int]], params: list[SamplingParams]
+        self, prompts: list[list[int]], params: list[SamplingParams],
+        timeout_s: float | None = None,
     ) -> AsyncIterator[GenerationStream]:
         """Run one request over several prompts on one worker (picked by the first prompt): one
-        session there, exactly as :meth:`AsyncEngine.generate_batch`."""
-        self.check_admission(len(prompts) * len(params))
+        session there, exactly as :meth:`AsyncEngine.generate_batch` (which admits it against
+        that worker's queue and applies the deadline)."""
+        if self.draining:
+            raise EngineUnavailable("the server is shutting down")
         worker = self.workers[self._route(prompts[0])]
-        async with worker.generate_batch(prompts, params) as stream:
+        async with worker.generate_batch(prompts, params, timeout_s) as stream:
             yield stream
 
     def _route(self, prompt: list[int]) -> int:
