@@ -1,12 +1,12 @@
 """guidellm (vLLM's load generator) against the server: a short concurrent run on chat
 completions (its default) ends with every request successful and none errored; on completions
-too with ``TRIO_INFER_CLIENTS_FULL=1`` (a run costs ~25 s, mostly guidellm's start and its
-worker process, so ``make test`` runs one). guidellm sends vLLM's fields (``ignore_eos``, ``stream_options.continuous_usage_stats``)
-and reads the output tokens from the streamed usage, so each request's count is exactly what it
-asked for. Its synthetic prompts are made with the checkpoint's own tokenizer, from the local
-folder (``--tokenizer``): nothing is fetched from a hub.
+too with ``TRIO_INFER_CLIENTS_FULL=1`` (a run costs ~25-35 s, mostly guidellm's start and its
+worker process, so ``make test`` runs one). guidellm sends vLLM's fields (``ignore_eos``,
+``stream_options.continuous_usage_stats``) and reads the output tokens from the streamed usage,
+so each request's count is exactly what it asked for. Its synthetic prompts are made with the
+checkpoint's own tokenizer, from the local folder (``--tokenizer``): nothing is fetched from a
+hub.
 """
-
 from __future__ import annotations
 
 import importlib.util

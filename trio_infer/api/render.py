@@ -280,7 +280,8 @@ class Serializer:
 
     def usage_chunk(self, choices: Sequence[ChoiceText]) -> str:
         """The last chunk of a stream that asked for ``include_usage``."""
-        return sse.event({**self._head, "choices": [], "usage": usage(self.plan, choices, self.reasoning(choices))})
+        return sse.event({**self._head, "choices": [],
+                          "usage": usage(self.plan, choices, self.reasoning(choices))})
 
     def response(self, choices: Sequence[ChoiceText], events: Sequence[Sequence[Event]]) -> dict[str, Any]:
         """The whole (non-streamed) response: ``events[i]`` are what ``choices[i]`` says
