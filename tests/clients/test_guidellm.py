@@ -7,6 +7,7 @@ so each request's count is exactly what it asked for. Its synthetic prompts are 
 checkpoint's own tokenizer, from the local folder (``--tokenizer``): nothing is fetched from a
 hub.
 """
+
 from __future__ import annotations
 
 import importlib.util
