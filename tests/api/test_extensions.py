@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from trio_infer.api.errors import APIError
-from trio_infer.api.events import Content, Finish, Reasoning, ResponseEvents, ThinkSplit
+from trio_infer.api.events import Content, Finish, Reasoning, ResponseEvents, ThinkSplit, reasoning_tokens
 from trio_infer.api.plans import ModelLimits, ReasoningPlan, plan_chat, template_thinks
 from trio_infer.api.protocol import ChatCompletionRequest
 from trio_infer.engine.engine import Engine, EngineConfig
@@ -355,6 +355,25 @@ def test_reasoning_events_from_deltas(thinking_tokenizer) -> None:
     for i, piece in enumerate(["<thi", "nk>ab", "c</th", "ink>\n", "\nDone", "."]):
         out += events.feed([ChoiceDelta(0, piece, [], "stop" if i == 5 else None)])
     assert out == [Reasoning(0, "ab"), Reasoning(0, "c"), Content(0, "Done"), Content(0, "."), Finish(0, "stop")]
+
+
+@pytest.mark.parametrize("pieces, thinking, want", [
+    (["<think>", "a", "b", "</think>", "\n\n", "ok"], False, 4),  # the tags and what they hold
+    (["\n", "<think>", "a", "b"], False, 4),  # cut before the close tag: all of it
+    (["still", "</think>", "ok"], True, 2),  # the prompt left the model thinking
+    (["ok", " <think>", "x", "</think>"], False, 0),  # did not open with the tag: no thinking
+    (["<think>", "a", "</th", "ink>", "ok"], False, None),  # no token is the close tag: untold
+])
+def test_reasoning_tokens_count_up_to_the_close_tag(pieces: list[str], thinking: bool, want: int | None,
+                                                    tokenizer, thinking_tokenizer) -> None:
+    from types import SimpleNamespace
+
+    plan = plan_chat(chat_request(CONVERSATION), thinking_tokenizer, LIMITS)
+    plan.reasoning = ReasoningPlan(thinking=thinking)
+    choice = SimpleNamespace(text="".join(pieces), num_tokens=len(pieces), token_ids=list(range(len(pieces))))
+    assert reasoning_tokens(plan, choice, lambda i: (pieces[i], b"")) == want  # type: ignore[arg-type]
+    plain = plan_chat(chat_request(CONVERSATION), tokenizer, LIMITS)  # a model that does not think
+    assert reasoning_tokens(plain, choice, lambda i: (pieces[i], b"")) == 0  # type: ignore[arg-type]
 
 
 # The tags are tokens of their own, which llguidance treats as special: a Lark grammar names them

@@ -84,3 +84,28 @@ def test_enable_thinking_false_and_the_budget(client: openai.OpenAI, server: Ser
     message = reply.choices[0].message
     assert message.content == "ok" and reply.choices[0].finish_reason == "stop"
     assert message.reasoning_content  # type: ignore[attr-defined]
+
+
+def test_reasoning_tokens_are_counted_in_the_usage(client: openai.OpenAI, server: Server) -> None:
+    kw = dict(model=server.model, messages=MESSAGES, max_tokens=40, temperature=0,
+              extra_body={"guided_grammar": THINK})
+    reply = client.chat.completions.create(logprobs=True, **kw)  # type: ignore[call-overload]
+    tokens = [t.token for t in reply.choices[0].logprobs.content]
+    thought = tokens.index("</think>") + 1  # the tags and what stands between them
+    assert 0 < thought < reply.usage.completion_tokens
+    assert reply.usage.completion_tokens_details.reasoning_tokens == thought
+    stream = client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw)  # type: ignore[call-overload]
+    counts = [chunk.usage.completion_tokens_details.reasoning_tokens for chunk in stream if chunk.choices or chunk.usage]
+    assert counts == sorted(counts) and counts[-1] == thought
+    # an answer that does not think: a true 0
+    plain = client.chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=5, temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+    # the Responses API counts the same as chat for the same request
+    chat = client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=6, temperature=0)
+    resp = client.responses.create(model=server.model, input=MESSAGES[0]["content"], max_output_tokens=6,
+                                   temperature=0)
+    assert resp.usage.output_tokens == chat.usage.completion_tokens
+    assert resp.usage.output_tokens_details.reasoning_tokens == chat.usage.completion_tokens_details.reasoning_tokens

@@ -19,7 +19,7 @@ The events of a whole (non-streamed) answer are the same, from :meth:`ResponseEv
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 if TYPE_CHECKING:
     from trio_infer.api.plans import Plan, ReasoningPlan
@@ -243,6 +243,28 @@ def parsed_events(plan: Plan, index: int, text: str, finish: str) -> list[Event]
         finish = "tool_calls"
     events.append(Finish(index, finish))
     return events
+
+
+def reasoning_tokens(plan: Plan, choice: ChoiceText, token_text: Callable[[int], tuple[str, bytes]]) -> int | None:
+    """How many of ``choice``'s tokens are its thinking, the tags included (what OpenAI's
+    ``reasoning_tokens`` counts): 0 when the plan does not split thinking out or the output did
+    not think; up to the close tag's token when the thinking ended; every token so far when it
+    has not (cut by ``max_tokens``, or still running). None when it cannot be told: the thinking
+    ended but no single token is the close tag (``reasoning: on`` over tags the tokenizer splits),
+    so no count is better than a false one. ``token_text``: a token id's text
+    (``render.TokenText``)."""
+    think = plan.reasoning
+    if think is None:
+        return 0
+    text = choice.text
+    if not think.thinking and not text.lstrip().startswith(think.open):
+        return 0
+    if think.close not in text:
+        return choice.num_tokens
+    for i, token_id in enumerate(choice.token_ids):
+        if token_text(token_id)[0] == think.close:
+            return i + 1
+    return None
 
 
 @dataclass

@@ -173,7 +173,32 @@ def _chat_body(req: CountTokensRequest, stream: bool = False) -> tuple[dict[str,
     # templates name it); otherwise the model thinks as its template has it.
     if req.thinking is not None and "chat_template_kwargs" in ChatCompletionRequest.model_fields:
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+    _prefill(req, messages, origins, body)
     return body, origins
+
+
+def _prefill(req: CountTokensRequest, messages: list[dict[str, Any]], origins: list[str],
+             body: dict[str, Any]) -> None:
+    """Anthropic's prefill: a conversation that ends with the assistant's text is an answer
+    begun, which the model continues (the template leaves that turn open: vLLM's
+    ``continue_final_message``); the answer holds the continuation only. As Anthropic, the
+    prefill may not end in whitespace (400 naming it). An empty last assistant message asks
+    for a plain answer, and one with tool calls is a turn that ended."""
+    last = len(req.messages) - 1
+    if req.messages[last].role != "assistant" or origins[-1] != f"messages.{last}":
+        return
+    message = messages[-1]
+    if message.get("tool_calls"):
+        return
+    text = message["content"]
+    if not text:
+        del messages[-1], origins[-1]
+        return
+    if text != text.rstrip():
+        raise APIError(400, "The final assistant content cannot end with trailing whitespace.",
+                       param=f"messages.{last}.content")
+    body["add_generation_prompt"] = False
+    body["continue_final_message"] = True
 
 
 def plan_messages(req: MessagesRequest, tokenizer: Any, limits: ModelLimits,
@@ -183,7 +208,10 @@ def plan_messages(req: MessagesRequest, tokenizer: Any, limits: ModelLimits,
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
     body.update(sampling_fields(req, ("temperature", "top_p", "top_k", "timeout", "priority")))
-    plan = plan_as_chat(body, tokenizer, limits, _renamer(origins), reasoning, thinking_token_budget)
+    # max_tokens is a cap, as Anthropic and llama-server have it: clients send a large default
+    # (Claude Code: 32000) whatever the model's context; the answer ends with "max_tokens" there.
+    plan = plan_as_chat(body, tokenizer, limits, _renamer(origins), reasoning, thinking_token_budget,
+                        max_tokens_is_cap=True)
     plan.id = f"msg_{uuid.uuid4().hex}"
     return plan
 

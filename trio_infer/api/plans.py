@@ -282,6 +282,16 @@ def check_context(
         )
 
 
+def capped_max_tokens(num_prompt: int, max_tokens: int | None, limits: ModelLimits) -> int | None:
+    """``max_tokens`` as a cap: at most the room the context leaves after the prompt, so a
+    client's large default (Claude Code sends 32000) runs until the context is full and ends
+    with the API's "length" reason. A prompt that fills the context is still refused
+    (:func:`check_context`)."""
+    if max_tokens is None:
+        return None
+    return min(max_tokens, max(1, limits.max_model_len - num_prompt))
+
+
 def _sampling(
     req: ChatCompletionRequest | CompletionRequest,
     n: int,
@@ -374,9 +384,12 @@ def plan_chat(
     limits: ModelLimits,
     reasoning: str = "auto",
     thinking_token_budget: int | None = None,
+    max_tokens_is_cap: bool = False,
 ) -> Plan:
     """``reasoning``, ``thinking_token_budget``: the settings of those names (split a reasoning
-    model's thinking out; the server's default budget)."""
+    model's thinking out; the server's default budget). ``max_tokens_is_cap``: the API's
+    ``max_tokens`` is a cap (Anthropic's, llama-server's), not a promise (OpenAI's and vLLM's:
+    prompt + max_tokens past the context is a 400): see :func:`capped_max_tokens`."""
     n = _common_checks(req, limits)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(
@@ -403,6 +416,8 @@ def plan_chat(
         req.chat_template_kwargs, bool(req.continue_final_message),
     )
     prompt_ids = encoder(tokenizer)(prompt_text)
+    if max_tokens_is_cap:
+        max_tokens = capped_max_tokens(len(prompt_ids), max_tokens, limits)
     check_context(len(prompt_ids), max_tokens, limits, "messages")
     think = reasoning_plan(prompt_text, tokenizer, reasoning)
     if (think is not None and grammar is not None and template_thinks(tokenizer)

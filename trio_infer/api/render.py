@@ -21,6 +21,7 @@ from trio_infer.api.events import (
     ToolCallArguments,
     ToolCallStart,
     gather,
+    reasoning_tokens,
 )
 from trio_infer.api.plans import Plan
 
@@ -91,10 +92,43 @@ def _lp(x: float) -> float:
 # -- response objects -----------------------------------------------------------------------------
 
 
-def usage(plan: Plan, choices: Sequence[ChoiceText]) -> dict[str, int]:
+def usage(plan: Plan, choices: Sequence[ChoiceText], reasoning: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; ``reasoning`` (a reasoning model's thinking tokens, all choices together)
+    adds ``completion_tokens_details.reasoning_tokens``."""
     prompt = sum(len(p) for p in plan.prompts)  # once per prompt, whatever n
     completion = sum(c.num_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}
+    if reasoning is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return out
+
+
+class ReasoningCount:
+    """The thinking tokens of a request's choices (``events.reasoning_tokens``), for the usage
+    of a reasoning model's answer; a choice whose thinking has ended is counted once."""
+
+    def __init__(self, plan: Plan, texts: TokenText) -> None:
+        self.plan = plan
+        self.texts = texts
+        self._ended: dict[int, int] = {}
+
+    def __call__(self, choices: Sequence[ChoiceText]) -> int | None:
+        """All choices' thinking tokens so far; None when one cannot be told, or the plan does
+        not split thinking out (a plain model's usage stays as it was)."""
+        if self.plan.reasoning is None:
+            return None
+        total = 0
+        for c in choices:
+            count = self._ended.get(c.index)
+            if count is None:
+                count = reasoning_tokens(self.plan, c, self.texts)
+                if count is None:
+                    return None
+                if c.finished or 0 < count < c.num_tokens:  # the close tag is behind: final
+                    self._ended[c.index] = count
+            total += count
+        return total
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenText) -> dict[str, Any]:
@@ -185,6 +219,7 @@ class Serializer:
         self.texts = texts
         self._want_lp = plan.logprobs is not None
         self._head = _head(plan, self.object_name)
+        self.reasoning = ReasoningCount(plan, texts)
         if plan.include_usage:
             self._head["usage"] = None  # OpenAI: null on every chunk but the usage one
         # 'data: {"id":...,"model":...,"choices":[{"index":' : everything before the index.
@@ -205,7 +240,8 @@ class Serializer:
     def usage_so_far(self, choices: Sequence[ChoiceText]) -> None:
         """With ``continuous_usage_stats``: the chunks written next carry this usage (the
         prompt's tokens and the tokens ``choices`` have so far)."""
-        self._prefix = (self._bare + ',"usage":' + sse.dumps(usage(self.plan, choices))
+        self._prefix = (self._bare + ',"usage":'
+                        + sse.dumps(usage(self.plan, choices, self.reasoning(choices)))
                         + ',"choices":[{"index":')
 
     def write(self, events: Sequence[Event], choices: Sequence[ChoiceText] | None = None) -> str | None:
@@ -244,7 +280,8 @@ class Serializer:
 
     def usage_chunk(self, choices: Sequence[ChoiceText]) -> str:
         """The last chunk of a stream that asked for ``include_usage``."""
-        return sse.event({**self._head, "choices": [], "usage": usage(self.plan, choices)})
+        return sse.event({**self._head, "choices": [],
+                          "usage": usage(self.plan, choices, self.reasoning(choices))})
 
     def response(self, choices: Sequence[ChoiceText], events: Sequence[Sequence[Event]]) -> dict[str, Any]:
         """The whole (non-streamed) response: ``events[i]`` are what ``choices[i]`` says
@@ -323,7 +360,8 @@ class ChatSerializer(Serializer):
                 "logprobs": chat_logprobs(c.logprobs, self.texts) if self._want_lp else None,
                 "finish_reason": said.finish_reason if c.finish_reason is not None else None,
             })
-        return {**_head(plan, "chat.completion"), "choices": out, "usage": usage(plan, choices)}
+        return {**_head(plan, "chat.completion"), "choices": out,
+                "usage": usage(plan, choices, self.reasoning(choices))}
 
 
 class CompletionSerializer(Serializer):

@@ -375,9 +375,15 @@ class ResponsesSerializer(Serializer):
     def _usage(self, choices: Sequence[ChoiceText]) -> dict[str, Any]:
         prompt = len(self.plan.prompts[0])
         completion = sum(c.num_tokens for c in choices)
-        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": prompt + completion}
+        out: dict[str, Any] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+                               "output_tokens": completion}
+        # A plain model thinks 0 tokens; a reasoning model's are counted, or left out when they
+        # cannot be told (render.ReasoningCount).
+        thought = self.reasoning(choices) if self.plan.reasoning is not None else 0
+        if thought is not None:
+            out["output_tokens_details"] = {"reasoning_tokens": thought}
+        out["total_tokens"] = prompt + completion
+        return out
 
     def _status(self) -> str:
         return "incomplete" if self.finish == "length" else "completed"

@@ -24,13 +24,15 @@ _QUOTED = re.compile(r"'([A-Za-z_][A-Za-z0-9_.]*)'")
 
 
 def plan_as_chat(body: dict[str, Any], tokenizer: Any, limits: ModelLimits, rename: Rename,
-                 reasoning: str = "auto", thinking_token_budget: int | None = None) -> Plan:
+                 reasoning: str = "auto", thinking_token_budget: int | None = None,
+                 max_tokens_is_cap: bool = False) -> Plan:
     """``body``, a chat completions request, planned (``reasoning``, ``thinking_token_budget``:
-    the settings, as for chat); an :class:`APIError` naming the other API's fields
+    the settings, as for chat; ``max_tokens_is_cap``: the other API's ``max_tokens`` is a cap,
+    ``plans.capped_max_tokens``); an :class:`APIError` naming the other API's fields
     (``rename(chat field) -> field``) if it cannot be served."""
     try:
         req = ChatCompletionRequest.model_validate(body)
-        return plan_chat(req, tokenizer, limits, reasoning, thinking_token_budget)
+        return plan_chat(req, tokenizer, limits, reasoning, thinking_token_budget, max_tokens_is_cap)
     except APIError as exc:
         raise renamed(exc, rename) from None
     except ValidationError as exc:
