@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trio_infer.engine.config import DEFAULT as _ENGINE
-from trio_infer.engine.config import EngineConfig, KVCacheDType
+from trio_infer.engine.config import EngineConfig, KVCacheDType, SpeculativeMethod
 
 
 class Settings(BaseSettings):
@@ -65,6 +65,31 @@ class Settings(BaseSettings):
     max_batched_tokens: int = Field(
         _ENGINE.max_batched_tokens, description="Tokens per step (chunked prefill); at least "
         "max_running."
+    )
+    speculative: SpeculativeMethod = Field(
+        _ENGINE.speculative,
+        description="Speculative decoding: 'ngram' guesses a sequence's next tokens by prompt "
+        "lookup (the tokens that followed the latest earlier occurrence of its last few tokens) "
+        "and checks them in one forward; greedy output is unchanged, sampled output keeps its "
+        "distribution (rejection sampling). A request opts out with \"speculative\": false. "
+        "'off': one token per step.",
+    )
+    speculative_tokens: int = Field(
+        _ENGINE.speculative_tokens, description="Speculative decoding: tokens guessed per step "
+        "at most (k).",
+    )
+    speculative_ngram: int = Field(
+        _ENGINE.speculative_ngram, description="Prompt lookup: the longest suffix matched (n); "
+        "shorter ones down to 1 token are tried when it does not occur.",
+    )
+    speculative_max_batch: int = Field(
+        _ENGINE.speculative_max_batch, description="Speculative decoding is skipped in a step "
+        "with more running sequences than this (a wide batch already reads the weights once "
+        "for many tokens).",
+    )
+    speculative_min_acceptance: float = Field(
+        _ENGINE.speculative_min_acceptance, description="A sequence whose running share of "
+        "accepted guesses falls below this stops guessing for a few steps.",
     )
     max_waiting: int = Field(
         256, ge=0, description="Sequences without a first token yet before new requests get 503."

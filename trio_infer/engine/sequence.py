@@ -11,6 +11,7 @@ import torch
 from trio_infer.wire import SamplingParams
 
 if TYPE_CHECKING:
+    from trio_infer.engine.speculative import PromptLookup
     from trio_infer.wire import TokenLogprob
 
 
@@ -59,6 +60,9 @@ class Sequence:
     # since the last open tag (None: not thinking). Kept in the sampler (engine/sampler.py).
     think_read: int = 0
     think_count: int | None = None
+    # Speculative decoding (engine/speculative.py): this sequence's n-gram index and acceptance
+    # record, None when it does not speculate (off, opted out, or a request it cannot serve).
+    lookup: PromptLookup | None = None
 
     @property
     def num_output_tokens(self) -> int:
