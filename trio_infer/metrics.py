@@ -4,6 +4,10 @@ Every family registered here is fed (tests/api/test_metrics.py fails otherwise).
 queue-time histogram (vLLM's ``request_queue_time_seconds``): the front end does not see when
 the worker's scheduler admits a sequence, only its first token (``time_to_first_token``); the
 waiting queue's length is ``requests_waiting``.
+
+The speculative decoding families (vLLM's ``spec_decode_*``) are registered only on a server
+that speculates (``Metrics(speculative=True)``, setting ``speculative``), so every registered
+family can be fed.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, speculative: bool = False) -> None:
         r = self.registry = CollectorRegistry()
         p = "trio_infer_"
         self.requests_running = Gauge(p + "requests_running", "Sequences admitted", registry=r)
@@ -38,6 +42,20 @@ class Metrics:
         self.time_to_first_token = hist("time_to_first_token_seconds", "Arrival to first token")
         self.inter_token_latency = hist("inter_token_latency_seconds", "Between output tokens")
         self.e2e_request_latency = hist("e2e_request_latency_seconds", "Arrival to finish")
+        self.spec_proposed_total: Counter | None = None
+        self.spec_accepted_total: Counter | None = None
+        self.tokens_per_step: Gauge | None = None
+        if speculative:
+            self.spec_proposed_total = Counter(
+                p + "spec_decode_draft_tokens", "Tokens guessed by speculative decoding", registry=r
+            )
+            self.spec_accepted_total = Counter(
+                p + "spec_decode_accepted_tokens", "Guessed tokens the model confirmed", registry=r
+            )
+            self.tokens_per_step = Gauge(
+                p + "tokens_per_step", "Output tokens per sequence per engine step, since the "
+                "worker started (1 without speculation)", registry=r
+            )
         for reason in ("stop", "length", "abort", "error"):
             self.requests_total.labels(finish_reason=reason)
 

@@ -297,3 +297,49 @@ def test_chi_square_bound_is_meaningful() -> None:
     counts = [0, 0, 6000, 0, 0, 0, 0, 0]
     assert _chi_square(counts, [1 / 8] * 8) > 24.3
     assert math.isfinite(_chi_square([750] * 8, [1 / 8] * 8))
+
+
+async def test_front_end_takes_multi_token_outputs_within_credits(autojump_clock) -> None:
+    """Through the runtime with one credit per choice and a slow reader: every token arrives, in
+    fewer outputs than tokens, and /metrics' speculative families are fed."""
+    import trio
+
+    from trio_infer.metrics import Metrics
+    from trio_infer.runtime.client import open_engine
+    from trio_infer.settings import Settings
+
+    engine = Engine(Successor(), EngineConfig(page_size=4, num_pages=64, **SPEC))
+    prompt = list(range(1, 40)) + [10]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    metrics = Metrics(speculative=True)
+    settings = Settings(channel_capacity=1, stall_timeout_s=60.0, speculative="ngram")
+    async with open_engine(settings, engine=engine, metrics=metrics) as ae:
+        outs = []
+        async with ae.generate(prompt, [params, params]) as stream:
+            async for batch in stream:
+                outs.extend(batch)
+                await trio.sleep(1)  # a slow reader (autojump clock): credits run out
+        for choice in (0, 1):
+            mine = [o for o in outs if o.uid[1] == choice]
+            assert [t for o in mine for t in o.token_ids] == [(10 + i) % 64 for i in range(1, 21)]
+            assert len(mine) < 20
+            assert mine[-1].finish_reason == "length"
+    assert metrics.spec_proposed_total is not None and metrics.spec_accepted_total is not None
+    assert metrics.spec_accepted_total._value.get() > 0
+    assert metrics.spec_proposed_total._value.get() >= metrics.spec_accepted_total._value.get()
+    assert metrics.tokens_per_step is not None and metrics.tokens_per_step._value.get() > 1
+    assert b"trio_infer_spec_decode_accepted_tokens_total" in metrics.render()
+    assert b"spec_decode" not in Metrics().render()  # a server that does not speculate
+
+
+@pytest.mark.parametrize("value, want", [(None, True), (True, True), (False, False)])
+def test_request_field_speculative_is_honoured(value, want) -> None:
+    from trio_infer.api.plans import ModelLimits, plan_completion
+    from trio_infer.api.protocol import CompletionRequest
+
+    body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 3}
+    if value is not None:
+        body["speculative"] = value
+    plan = plan_completion(CompletionRequest.model_validate(body), None,
+                           ModelLimits(name="m", max_model_len=64, vocab_size=100, max_n=4))
+    assert [p.speculative for p in plan.params] == [want]

@@ -229,6 +229,9 @@ class _SamplingFields(_Strict):
     guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    # trio-infer's extension: false keeps this request out of speculative decoding (one token
+    # per step) on a server that speculates (`serve --speculative`); the output is the same.
+    speculative: bool | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
