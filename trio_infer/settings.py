@@ -76,11 +76,16 @@ class Settings(BaseSettings):
     )
     speculative_tokens: int = Field(
         _ENGINE.speculative_tokens, description="Speculative decoding: tokens guessed per step "
-        "at most (k).",
+        "at most (k); a sequence's draft grows by one after a draft kept whole and shrinks by "
+        "one after a cut one.",
     )
     speculative_ngram: int = Field(
         _ENGINE.speculative_ngram, description="Prompt lookup: the longest suffix matched (n); "
-        "shorter ones down to 1 token are tried when it does not occur.",
+        "shorter ones down to speculative_ngram_min are tried when it does not occur.",
+    )
+    speculative_ngram_min: int = Field(
+        _ENGINE.speculative_ngram_min, description="Prompt lookup: the shortest suffix matched "
+        "(a one-token match guesses wrong far more often).",
     )
     speculative_max_batch: int = Field(
         _ENGINE.speculative_max_batch, description="Speculative decoding is skipped in a step "

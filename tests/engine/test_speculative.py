@@ -62,15 +62,31 @@ def test_lookup_never_matches_the_suffix_itself() -> None:
 
 
 def test_low_acceptance_pauses_proposals_then_retries() -> None:
-    lookup = PromptLookup(max_ngram=1, num_tokens=2, min_acceptance=0.5)
+    lookup = PromptLookup(max_ngram=1, num_tokens=1, min_acceptance=0.5)
     ids = [1, 2, 1]
-    assert lookup.propose(ids, limit=2) == [2, 1]
-    lookup.record(proposed=2, accepted=0)  # 1.0 -> 0.7
-    assert lookup.propose(ids, limit=2) == [2, 1]
-    lookup.record(proposed=2, accepted=0)  # 0.7 -> 0.49 < 0.5: off
+    assert lookup.propose(ids, limit=2) == [2]
+    lookup.record(proposed=1, accepted=0)  # 1.0 -> 0.7
+    assert lookup.propose(ids, limit=2) == [2]
+    lookup.record(proposed=1, accepted=0)  # 0.7 -> 0.49 < 0.5: off
     for _ in range(COOLDOWN_STEPS):
         assert lookup.propose(ids, limit=2) == []
-    assert lookup.propose(ids, limit=2) == [2, 1]
+    assert lookup.propose(ids, limit=2) == [2]
+
+
+def test_draft_length_grows_after_kept_drafts_and_shrinks_after_cut_ones() -> None:
+    lookup = PromptLookup(max_ngram=2, num_tokens=3, min_acceptance=0.0, min_ngram=2)
+    ids = [5, 6, 7, 8, 9, 10, 5, 6]
+    assert lookup.propose(ids, limit=9) == [7, 8, 9]
+    lookup.record(proposed=3, accepted=1)
+    assert lookup.propose(ids, limit=9) == [7, 8]
+    lookup.record(proposed=2, accepted=0)
+    assert lookup.propose(ids, limit=9) == [7]
+    lookup.record(proposed=1, accepted=0)
+    assert lookup.propose(ids, limit=9) == [7]  # never below one
+    lookup.record(proposed=1, accepted=1)
+    assert lookup.propose(ids, limit=9) == [7, 8]
+    fresh = PromptLookup(max_ngram=2, num_tokens=3, min_acceptance=0.0, min_ngram=2)
+    assert fresh.propose([6, 7, 9, 6], limit=9) == []  # "6" occurred, but one token is too short
 
 
 # -- verification ---------------------------------------------------------------------------------

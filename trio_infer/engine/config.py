@@ -30,12 +30,14 @@ class EngineConfig:
     # otherwise; or "float32", "float16", "bfloat16" (see kv_cache.resolve_kv_dtype).
     kv_cache_dtype: KVCacheDType = "auto"
     # Speculative decoding (engine/speculative.py): "ngram" guesses up to speculative_tokens
-    # tokens per step by prompt lookup (matching the last speculative_ngram tokens at most);
+    # tokens per step by prompt lookup (matching the last speculative_ngram tokens at most,
+    # speculative_ngram_min at least);
     # no sequence proposes in a step with more than speculative_max_batch running sequences,
     # and a sequence whose acceptance falls below speculative_min_acceptance pauses.
     speculative: SpeculativeMethod = "off"
-    speculative_tokens: int = 4
+    speculative_tokens: int = 3
     speculative_ngram: int = 3
+    speculative_ngram_min: int = 2
     speculative_max_batch: int = 4
     speculative_min_acceptance: float = 0.3
 
@@ -50,9 +52,12 @@ class EngineConfig:
             raise ValueError("max_batched_tokens must be >= max_running (one token per decode)")
         if self.speculative not in ("off", "ngram"):
             raise ValueError(f"speculative {self.speculative!r}: expected off or ngram")
-        for name in ("speculative_tokens", "speculative_ngram", "speculative_max_batch"):
+        for name in ("speculative_tokens", "speculative_ngram", "speculative_ngram_min",
+                     "speculative_max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.speculative_ngram_min > self.speculative_ngram:
+            raise ValueError("speculative_ngram_min must be <= speculative_ngram")
         if not 0 <= self.speculative_min_acceptance <= 1:
             raise ValueError("speculative_min_acceptance must be in [0, 1]")
 
@@ -68,6 +73,7 @@ class EngineConfig:
             speculative=settings.speculative,
             speculative_tokens=settings.speculative_tokens,
             speculative_ngram=settings.speculative_ngram,
+            speculative_ngram_min=settings.speculative_ngram_min,
             speculative_max_batch=settings.speculative_max_batch,
             speculative_min_acceptance=settings.speculative_min_acceptance,
         )

@@ -152,7 +152,7 @@ class Engine:
         if self._speculates(params):
             c = self.config
             seq.lookup = PromptLookup(c.speculative_ngram, c.speculative_tokens,
-                                      c.speculative_min_acceptance)
+                                      c.speculative_min_acceptance, c.speculative_ngram_min)
         self._seqs[uid] = seq
         self.scheduler.add(seq)
 

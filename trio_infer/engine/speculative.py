@@ -4,7 +4,9 @@ At batch 1 on a CPU a decode step reads every weight once for one token; checkin
 tokens in the same forward costs little more. Prompt lookup guesses for free: summaries,
 rewrites, code edits and retrieval answers copy spans of their prompt, so the tokens that
 followed the latest earlier occurrence of the sequence's last ``n`` tokens are a good guess for
-the ones that come next (longest match first, from ``n`` down to 1 token).
+the ones that come next (longest match first, from ``speculative_ngram`` down to
+``speculative_ngram_min`` tokens: a one-token match guesses wrong about half the time on the
+grounded workload, a two-token one about a fifth; docs/benchmarks.md).
 
 The engine verifies a sequence's draft ``d_1..d_k`` as ``k + 1`` one-token rows of the decode
 group of the step (positions ``start .. start + k``, each attending to the rows before it: every
@@ -28,6 +30,10 @@ pages of kept tokens.
 The off-switch: a step with more running sequences than ``speculative_max_batch`` proposes
 nothing (the batch is already wide: the weights are read once for many tokens), and a sequence
 whose recent acceptance falls below ``speculative_min_acceptance`` stops proposing for a while.
+Checking a row is not free on a CPU (each row of a step multiplies every weight: measured on
+SmolLM2-135M at one thread, 2 rows cost 1.2x one with int8 activations, 5 rows 3x), so a
+sequence's draft length adapts: one token more after a draft it kept whole (up to
+``speculative_tokens``), one less after a draft it cut (down to 1).
 """
 
 from __future__ import annotations
@@ -58,10 +64,13 @@ class PromptLookup:
     follows them, so a lookup never finds the suffix itself.
     """
 
-    def __init__(self, max_ngram: int, num_tokens: int, min_acceptance: float) -> None:
+    def __init__(self, max_ngram: int, num_tokens: int, min_acceptance: float,
+                 min_ngram: int = 1) -> None:
         self.max_ngram = max_ngram
+        self.min_ngram = min(min_ngram, max_ngram)
         self.num_tokens = num_tokens  # k: tokens proposed at most per step
         self.min_acceptance = min_acceptance
+        self._length = num_tokens  # the draft length now, adapted by record()
         self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram)]
         self._indexed = 0  # positions whose following token is indexed: [0, _indexed)
         self._acceptance = 1.0
@@ -74,19 +83,24 @@ class PromptLookup:
         if self._cooldown:
             self._cooldown -= 1
             return []
-        limit = min(limit, self.num_tokens)
+        limit = min(limit, self._length)
         if limit <= 0:
             return []
         n = len(token_ids)
-        for m in range(min(self.max_ngram, n - 1), 0, -1):
+        for m in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
             nxt = self._index[m - 1].get(tuple(token_ids[n - m :]))
             if nxt is not None:
                 return token_ids[nxt : nxt + limit]
         return []
 
     def record(self, proposed: int, accepted: int) -> None:
-        """A verify step kept ``accepted`` of ``proposed`` drafts: update the running average
-        and switch proposals off for a while when it falls below the threshold."""
+        """A verify step kept ``accepted`` of ``proposed`` drafts: adapt the draft length, update
+        the running average and switch proposals off for a while when it falls below the
+        threshold."""
+        if accepted == proposed:
+            self._length = min(self.num_tokens, self._length + 1)
+        else:
+            self._length = max(1, self._length - 1)
         self._acceptance += _EMA * (accepted / proposed - self._acceptance)
         if self._acceptance < self.min_acceptance:
             self._cooldown = COOLDOWN_STEPS
