@@ -311,7 +311,8 @@ def run_speculative(path: Path, args: argparse.Namespace, workload: list, thread
     model = base.model
     del base
     print(f"speculative: {dataclasses.asdict(spec_config)}", flush=True)
-    server = _LlamaServerNgram(path, args, threads) if "llama-server-ngram" in args.baseline else None
+    server = (_LlamaServerNgram(path, args, threads, spec_config.speculative_tokens)
+              if "llama-server-ngram" in args.baseline else None)
     runs: dict[str, list[dict[str, Any]]] = {"ours-speculative": [], "ours-plain": []}
     if server is not None:
         runs["llama-server-ngram"] = []
@@ -374,11 +375,12 @@ def run_speculative(path: Path, args: argparse.Namespace, workload: list, thread
 
 
 class _LlamaServerNgram:
-    """llama-server with ``--spec-type ngram-simple`` on the same GGUF file, fed the workload's
-    token ids over its native ``/completion`` (greedy, ``n_predict`` = the request's output
-    length), ``max_running`` requests at a time on as many slots."""
+    """llama-server with ``--spec-type ngram-simple`` (drafts of at most our k) on the same GGUF
+    file, fed the workload's token ids over its native ``/completion`` (greedy, ``n_predict`` =
+    the request's output length, no prompt cache), ``max_running`` requests at a time on as many
+    slots, after one untimed warm-up request."""
 
-    def __init__(self, path: Path, args: argparse.Namespace, threads: int) -> None:
+    def __init__(self, path: Path, args: argparse.Namespace, threads: int, k: int) -> None:
         from trio_infer.bench import llamaserver
 
         if not is_gguf(path):
@@ -386,7 +388,7 @@ class _LlamaServerNgram:
         self.path = path
         self.threads = args.llamacpp_threads or threads
         self.slots = args.max_running or 1
-        self.k = args.speculative_tokens or 4
+        self.k = k  # its --spec-draft-n-max: our speculative_tokens
         self.binary = llamaserver.require()
         self.proc: Any = None
         self.port = 0
