@@ -96,6 +96,11 @@ class Settings(BaseSettings):
         _ENGINE.speculative_min_acceptance, description="A sequence whose running share of "
         "accepted guesses falls below this stops guessing for a few steps.",
     )
+    speculative_payoff: bool = Field(
+        _ENGINE.speculative_payoff, description="Speculative decoding: measure whether steps "
+        "that check guesses emit tokens faster than steps that do not, and stop guessing for "
+        "64 steps whenever they are slower (then measure again).",
+    )
     max_waiting: int = Field(
         256, ge=0, description="Sequences without a first token yet before new requests get 503."
     )

@@ -638,7 +638,7 @@ def build_engine(shape, fail_steps: frozenset[int], probe: Probe, capacity: int,
                      # drafts (pages reserved ahead, rollbacks) the scenario can have.
                      speculative="ngram" if shape.speculative else "off",
                      speculative_max_batch=max(1, shape.max_running),
-                     speculative_min_acceptance=0.0),
+                     speculative_min_acceptance=0.0, speculative_payoff=False),
         fail_steps,
         probe,
         capacity,

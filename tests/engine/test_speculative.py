@@ -12,14 +12,16 @@ import torch
 from trio_infer.engine.engine import Engine, EngineConfig
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.sampler import probabilities
-from trio_infer.engine.speculative import COOLDOWN_STEPS, Drafts, PromptLookup, verify
+from trio_infer.engine.speculative import COOLDOWN_STEPS, Drafts, Payoff, PromptLookup, verify
 from trio_infer.models.base import ModelInfo
 from trio_infer.models.default_model import default_cache_dir, default_model_file
 from trio_infer.models.loader import load_model
 from trio_infer.wire import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-SPEC = dict(speculative="ngram", speculative_tokens=4, speculative_max_batch=8)
+# Without the payoff measurement, which depends on timings: these tests are deterministic.
+SPEC = dict(speculative="ngram", speculative_tokens=4, speculative_max_batch=8,
+            speculative_payoff=False)
 
 
 def run(engine: Engine, requests: dict, stagger: int = 0) -> dict[object, list[int]]:
@@ -87,6 +89,33 @@ def test_draft_length_grows_after_kept_drafts_and_shrinks_after_cut_ones() -> No
     assert lookup.propose(ids, limit=9) == [7, 8]
     fresh = PromptLookup(max_ngram=2, num_tokens=3, min_acceptance=0.0, min_ngram=2)
     assert fresh.propose([6, 7, 9, 6], limit=9) == []  # "6" occurred, but one token is too short
+
+
+def test_payoff_pauses_drafting_when_it_emits_tokens_slower() -> None:
+    payoff = Payoff(min_samples=4, pause=3)
+    for _ in range(4):
+        payoff.record(batch=1, seconds=0.010, tokens=1, drafted=False)  # 10 ms a token
+    for _ in range(3):
+        payoff.record(batch=1, seconds=0.030, tokens=2, drafted=True)  # 15 ms a token
+        assert payoff.allows()  # not enough drafting steps yet
+    payoff.record(batch=1, seconds=0.030, tokens=2, drafted=True)
+    assert [payoff.allows() for _ in range(4)] == [False, False, False, True]
+    assert payoff.pauses == 1
+    # faster drafting (or another batch size, measured apart) never pauses
+    for _ in range(8):
+        payoff.record(batch=1, seconds=0.015, tokens=3, drafted=True)
+        payoff.record(batch=2, seconds=0.050, tokens=2, drafted=True)
+        assert payoff.allows()
+    assert payoff.pauses == 1
+
+
+def test_engine_with_the_payoff_measurement_gives_the_same_tokens() -> None:
+    prompt = list(range(1, 40)) + [10]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = Engine(Successor(), EngineConfig(page_size=4, num_pages=64, speculative="ngram"))
+    assert run(engine, {"a": (prompt, params)})["a"] == [(10 + i) % 64 for i in range(1, 13)]
+    with pytest.raises(ValueError, match="speculative_ngram_min"):
+        EngineConfig(speculative="ngram", speculative_ngram=2, speculative_ngram_min=3)
 
 
 # -- verification ---------------------------------------------------------------------------------

@@ -40,6 +40,9 @@ class EngineConfig:
     speculative_ngram_min: int = 2
     speculative_max_batch: int = 4
     speculative_min_acceptance: float = 0.3
+    # Measure whether verify steps emit tokens faster than plain ones and pause drafting while
+    # they do not (speculative.Payoff). False: decided by the rules above alone (deterministic).
+    speculative_payoff: bool = True
 
     def __post_init__(self) -> None:
         for name in ("page_size", "kv_cache_bytes", "max_running", "max_batched_tokens"):
@@ -76,6 +79,7 @@ class EngineConfig:
             speculative_ngram_min=settings.speculative_ngram_min,
             speculative_max_batch=settings.speculative_max_batch,
             speculative_min_acceptance=settings.speculative_min_acceptance,
+            speculative_payoff=settings.speculative_payoff,
         )
 
 

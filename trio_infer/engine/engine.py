@@ -25,7 +25,9 @@ and one more token, stopping at the first that ends the sequence, all in one out
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Hashable
 
@@ -40,7 +42,7 @@ from trio_infer.engine.prefix_cache import PrefixCache
 from trio_infer.engine.sampler import SampleResult
 from trio_infer.engine.scheduler import Schedule, Scheduler
 from trio_infer.engine.sequence import Sequence, Status
-from trio_infer.engine.speculative import Drafts, PromptLookup
+from trio_infer.engine.speculative import Drafts, Payoff, PromptLookup
 from trio_infer.models.base import CausalLM
 from trio_infer.wire import EngineStatistics, RequestOutput, SamplingParams
 
@@ -111,6 +113,8 @@ class Engine:
         self._sampled_tokens = 0  # the tokens they emitted
         self._spec_proposed = 0
         self._spec_accepted = 0
+        self._payoff = (Payoff() if config.speculative != "off" and config.speculative_payoff
+                        else None)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -184,7 +188,7 @@ class Engine:
     # -- stepping -------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        schedule = self.scheduler.schedule()
+        schedule = self.scheduler.schedule(self._payoff is None or self._payoff.allows())
         if schedule is None:
             return None
         batch, prompt_rows, drafts = self.runner.prepare(schedule)
@@ -196,7 +200,9 @@ class Engine:
         # sampler waits for them. The thread is joined before this returns, whatever happens.
         masks = TokenMasks.start(self.grammars, [seq.matcher for seq in plan.sampling])
         try:
-            return self.runner.run(plan.batch, plan.sampling, plan.prompt_rows, masks, plan.drafts)
+            t0 = time.perf_counter()
+            result = self.runner.run(plan.batch, plan.sampling, plan.prompt_rows, masks, plan.drafts)
+            return dataclasses.replace(result, seconds=time.perf_counter() - t0)
         finally:
             if masks is not None:
                 masks.join()  # the sampler waited already, unless the forward pass raised
@@ -254,6 +260,9 @@ class Engine:
                     prompt_logprobs=prompt_lps,
                 )
             )
+        if self._payoff is not None and all(it.decode_rows for it in plan.schedule.items):
+            self._payoff.record(len(plan.schedule.items), result.seconds,
+                                sum(len(o.token_ids) for o in outputs), plan.drafts is not None)
         return outputs
 
     def _commit_verified(

@@ -36,6 +36,7 @@ class SampleResult:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per prompt row
     # Per verifying sequence (engine/speculative.py), the tokens it emits: kept drafts, then one.
     verified: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0  # the forward pass and sampling (Engine.execute), for speculative.Payoff
 
 
 # Prompt rows are scored this many at a time: a [rows, vocab] fp32 log-softmax per slice, not

@@ -104,12 +104,13 @@ class Scheduler:
         self._free(seq)
         seq.status = Status.FINISHED
 
-    def schedule(self) -> Schedule | None:
+    def schedule(self, speculate: bool = True) -> Schedule | None:
+        """The next step; ``speculate`` False: no sequence drafts in it."""
         budget = self.max_batched_tokens
         items: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
 
-        propose = 0 < len(self.running) <= self.spec_max_batch
+        propose = speculate and 0 < len(self.running) <= self.spec_max_batch
         i = 0
         while i < len(self.running) and budget:
             seq = self.running[i]

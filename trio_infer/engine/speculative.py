@@ -30,6 +30,10 @@ pages of kept tokens.
 The off-switch: a step with more running sequences than ``speculative_max_batch`` proposes
 nothing (the batch is already wide: the weights are read once for many tokens), and a sequence
 whose recent acceptance falls below ``speculative_min_acceptance`` stops proposing for a while.
+Whether speculation pays depends on the machine and the kernels, so the engine also measures it
+(``speculative_payoff``, :class:`Payoff`): the seconds per emitted token of its decode steps
+that verified drafts against those that did not, per batch size; when drafting is slower it
+pauses for a while, then measures again.
 Checking a row is not free on a CPU (each row of a step multiplies every weight: measured on
 SmolLM2-135M at one thread, 2 rows cost 1.2x one with int8 activations, 5 rows 3x), so a
 sequence's draft length adapts: one token more after a draft it kept whole (up to
@@ -112,6 +116,49 @@ class PromptLookup:
             for m in range(1, min(self.max_ngram, i) + 1):
                 self._index[m - 1][tuple(token_ids[i - m : i])] = i
         self._indexed = max(self._indexed, len(token_ids))
+
+
+class Payoff:
+    """Whether verify steps emit tokens faster than plain decode steps, measured.
+
+    The engine reports every decode-only step (no prefill chunk in it): how many sequences, its
+    forward-and-sample seconds, the tokens it emitted, and whether it verified drafts. Each kind
+    keeps a running average of seconds per token per batch size; once both have
+    ``min_samples`` steps and drafting is the slower, :meth:`allows` says no for ``pause``
+    steps, and the drafting average starts again (the machine's load may have changed).
+    """
+
+    def __init__(self, min_samples: int = 16, pause: int = 64, weight: float = 0.1) -> None:
+        self.min_samples = min_samples
+        self.pause = pause
+        self.weight = weight
+        self._avg: dict[tuple[bool, int], float] = {}  # (drafted, batch) -> seconds per token
+        self._count: dict[tuple[bool, int], int] = {}
+        self._paused = 0
+        self.pauses = 0  # times drafting was found slower, since start
+
+    def allows(self) -> bool:
+        """Whether this step may draft (counts the paused steps down)."""
+        if self._paused:
+            self._paused -= 1
+            return False
+        return True
+
+    def record(self, batch: int, seconds: float, tokens: int, drafted: bool) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        key = (drafted, batch)
+        per_token = seconds / tokens
+        n = self._count.get(key, 0)
+        avg = self._avg.get(key, per_token)
+        self._avg[key] = avg + (self.weight if n else 1.0) * (per_token - avg)
+        self._count[key] = n + 1
+        plain = (False, batch)
+        if (drafted and n + 1 >= self.min_samples and self._count.get(plain, 0) >= self.min_samples
+                and self._avg[key] > self._avg[plain]):
+            self._paused = self.pause
+            self.pauses += 1
+            self._count[key] = 0
 
 
 @dataclass(frozen=True)
