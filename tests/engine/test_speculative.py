@@ -388,3 +388,29 @@ def test_request_field_speculative_is_honoured(value, want) -> None:
     plan = plan_completion(CompletionRequest.model_validate(body), None,
                            ModelLimits(name="m", max_model_len=64, vocab_size=100, max_n=4))
     assert [p.speculative for p in plan.params] == [want]
+
+
+def test_a_stop_string_counts_the_tokens_up_to_its_own_in_a_multi_token_output() -> None:
+    """The front end folds an output of several tokens one token at a time: a stop string
+    completed by the first token ends the text and the token count there."""
+    from trio_infer.runtime.detokenizer import IncrementalDetokenizer
+    from trio_infer.runtime.stop_strings import StopStringMatcher
+    from trio_infer.runtime.text_stream import ChoiceText
+    from trio_infer.wire import RequestOutput
+
+    class Letters:  # token t is the letter chr(ord("a") + t)
+        def decode(self, ids, **kwargs) -> str:
+            return "".join(chr(ord("a") + t) for t in ids)
+
+        def convert_ids_to_tokens(self, ids):
+            return [chr(ord("a") + t) for t in ids]
+
+    def fold(outs):
+        choice = ChoiceText(0, IncrementalDetokenizer(Letters(), [0]), StopStringMatcher(["c"]))
+        delta = choice.consume(outs)
+        return delta.text, delta.finish_reason, choice.num_tokens
+
+    one_by_one = [RequestOutput((1, 0), [t], None, None, None, 1, i + 1, None)
+                  for i, t in enumerate([1, 2, 3, 4])]
+    at_once = [RequestOutput((1, 0), [1, 2, 3, 4], None, None, None, 1, 4, None)]
+    assert fold(at_once) == fold(one_by_one) == ("b", "stop", 2)
