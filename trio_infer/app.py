@@ -86,7 +86,7 @@ def create_app(
         # wait 5 s for it at every shutdown (trap 10).
         BACKGROUND_TASK_SHUTDOWN_TIMEOUT=None,
     )
-    state = ServerState(settings, Metrics(), wiring=wiring)
+    state = ServerState(settings, Metrics(speculative=settings.speculative != "off"), wiring=wiring)
     app.extensions["trio_infer"] = state
     register_error_handlers(app)
     register_routes(app)

@@ -19,6 +19,11 @@ scheduling). They are mirrors: whoever sets ``requests_waiting`` sets the gatewa
 gauges from its own worker; :meth:`Metrics.shares` gives each one a view in which every gauge is
 its share of a sum, so the families the server exports are the group's totals (a gateway routes
 to the server, not to its workers). Counters and histograms are shared as they are.
+
+The speculative decoding families (vLLM's ``spec_decode_*``) are registered only on a server
+that speculates (``Metrics(speculative=True)``, setting ``speculative``), so every registered
+family can be fed. ``tokens_per_step`` is a ratio: with ``--data-parallel`` it is not summed
+over the workers (the latest worker's step sets it).
 """
 
 from __future__ import annotations
@@ -85,7 +90,7 @@ class _GaugeShare:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, speculative: bool = False) -> None:
         r = self.registry = CollectorRegistry()
         p = "trio_infer_"
         mirrored = lambda name, doc, *mirrors: _mirrored(p + name, doc, r, mirrors)  # noqa: E731
@@ -130,6 +135,20 @@ class Metrics:
         )
         self.inter_token_latency = hist("inter_token_latency_seconds", "Between output tokens")
         self.e2e_request_latency = hist("e2e_request_latency_seconds", "Arrival to finish")
+        self.spec_proposed_total: Counter | None = None
+        self.spec_accepted_total: Counter | None = None
+        self.tokens_per_step: Gauge | None = None
+        if speculative:
+            self.spec_proposed_total = Counter(
+                p + "spec_decode_draft_tokens", "Tokens guessed by speculative decoding", registry=r
+            )
+            self.spec_accepted_total = Counter(
+                p + "spec_decode_accepted_tokens", "Guessed tokens the model confirmed", registry=r
+            )
+            self.tokens_per_step = Gauge(
+                p + "tokens_per_step", "Output tokens per sequence per engine step, since the "
+                "worker started (1 without speculation)", registry=r
+            )
         for reason in ("stop", "length", "abort", "error"):
             self.requests_total.labels(finish_reason=reason)
         for reason in ("queue_full", "queue_tokens", "queue_time"):
@@ -144,7 +163,8 @@ class Metrics:
         """``n`` views of these metrics for ``n`` data-parallel engines: the same counters and
         histograms, and every gauge replaced by that engine's share of a sum."""
         parts = {name: [0.0] * n for name, value in vars(self).items()
-                 if isinstance(value, Gauge) and value is not self.cache_config_info}
+                 if isinstance(value, Gauge)
+                 and value is not self.cache_config_info and value is not self.tokens_per_step}
         views = []
         for i in range(n):
             view = copy.copy(self)

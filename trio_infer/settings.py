@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trio_infer.engine.config import DEFAULT as _ENGINE
-from trio_infer.engine.config import EngineConfig, KVCacheDType
+from trio_infer.engine.config import EngineConfig, KVCacheDType, SpeculativeMethod
 
 
 class Settings(BaseSettings):
@@ -65,6 +65,41 @@ class Settings(BaseSettings):
     max_batched_tokens: int = Field(
         _ENGINE.max_batched_tokens, description="Tokens per step (chunked prefill); at least "
         "max_running."
+    )
+    speculative: SpeculativeMethod = Field(
+        _ENGINE.speculative,
+        description="Speculative decoding: 'ngram' guesses a sequence's next tokens by prompt "
+        "lookup (the tokens that followed the latest earlier occurrence of its last few tokens) "
+        "and checks them in one forward; greedy output is unchanged, sampled output keeps its "
+        "distribution (rejection sampling). A request opts out with \"speculative\": false. "
+        "'off': one token per step.",
+    )
+    speculative_tokens: int = Field(
+        _ENGINE.speculative_tokens, description="Speculative decoding: tokens guessed per step "
+        "at most (k); a sequence's draft grows by one after a draft kept whole and shrinks by "
+        "one after a cut one.",
+    )
+    speculative_ngram: int = Field(
+        _ENGINE.speculative_ngram, description="Prompt lookup: the longest suffix matched (n); "
+        "shorter ones down to speculative_ngram_min are tried when it does not occur.",
+    )
+    speculative_ngram_min: int = Field(
+        _ENGINE.speculative_ngram_min, description="Prompt lookup: the shortest suffix matched "
+        "(a one-token match guesses wrong far more often).",
+    )
+    speculative_max_batch: int = Field(
+        _ENGINE.speculative_max_batch, description="Speculative decoding is skipped in a step "
+        "with more running sequences than this (a wide batch already reads the weights once "
+        "for many tokens).",
+    )
+    speculative_min_acceptance: float = Field(
+        _ENGINE.speculative_min_acceptance, description="A sequence whose running share of "
+        "accepted guesses falls below this stops guessing for a few steps.",
+    )
+    speculative_payoff: bool = Field(
+        _ENGINE.speculative_payoff, description="Speculative decoding: measure whether steps "
+        "that check guesses emit tokens faster than steps that do not, and stop guessing for "
+        "64 steps whenever they are slower (then measure again).",
     )
     max_waiting: int = Field(
         256, ge=0, description="Sequences the worker has not scheduled yet before new requests "

@@ -82,6 +82,8 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
     thinking_budget: int | None = None
     think_ids: tuple[int, ...] = ()  # (open, close) when thinking_budget is set
     priority: int = 0  # vLLM's: a lower value is admitted first and preempted last
+    # False: never speculate for this sequence (one token per step) even where the server does.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 0:
@@ -154,6 +156,12 @@ class EngineStatistics(msgspec.Struct, array_like=True):
     pages_total: int
     prefix_queries: int  # prompt tokens looked up in the prefix cache, since start
     prefix_hits: int  # of which served from it
+    # Since start: sequence-steps that sampled and the tokens they emitted (tokens per step), and
+    # the speculative guesses proposed and accepted (engine/speculative.py).
+    sample_steps: int = 0
+    sampled_tokens: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
 
 # -- front end -> worker ------------------------------------------------------------------------------

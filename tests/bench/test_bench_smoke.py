@@ -62,6 +62,18 @@ def test_offline_shared_prefix_without_cache(tiny_checkpoint: Path, tmp_path: Pa
     assert "no-prefix-cache" in data["prefill_ratios"]
 
 
+def test_offline_speculative_grounded(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "spec.json"
+    text = bench("offline", "--model", str(tiny_checkpoint), "--speculative", "ngram",
+                 "--workload", "grounded", "--num-prompts", "2", "--output-len", "6",
+                 "--max-running", "1", "--rounds", "2", "--output-json", str(out))
+    assert "ours-plain" in text and "output tokens equal with and without speculation" in text
+    data = json.loads(out.read_text())
+    assert len(data["runs"]["ours-speculative"]) == len(data["runs"]["ours-plain"]) == 2
+    assert set(data["ratios"]) == {"ours-plain"}
+    assert data["config"]["engine"]["speculative"] == "ngram"
+
+
 def test_offline_profile(tiny_checkpoint: Path, tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     text = bench("offline", "--model", str(tiny_checkpoint), "--profile", "--profile-steps", "4",

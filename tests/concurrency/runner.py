@@ -417,6 +417,8 @@ class ProbeEngine(Engine):
         taken = self.tap.taken if self.tap is not None else Counter()
         for out in outputs:
             uid = out.uid
+            if len(out.token_ids) > 1:
+                self.stats.multi_token_outputs += 1
             if uid in ended_before:
                 self.violation(f"step {self.stats.steps}: output for ended {uid}")
             final = out.finish_reason is not None
@@ -660,7 +662,12 @@ def build_engine(shape, fail_steps: frozenset[int], probe: Probe, capacity: int,
         FakeModel(vocab_size=VOCAB, eos_token_id=EOS, name=name),
         EngineConfig(page_size=shape.page_size, num_pages=shape.num_pages,
                      max_running=shape.max_running, max_batched_tokens=shape.max_batched_tokens,
-                     enable_prefix_cache=shape.prefix_cache),
+                     enable_prefix_cache=shape.prefix_cache,
+                     # Every step may speculate, and no sequence ever stops proposing: the most
+                     # drafts (pages reserved ahead, rollbacks) the scenario can have.
+                     speculative="ngram" if shape.speculative else "off",
+                     speculative_max_batch=max(1, shape.max_running),
+                     speculative_min_acceptance=0.0, speculative_payoff=False),
         fail_steps,
         probe,
         capacity,

@@ -64,6 +64,7 @@ class Choice:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = True
     constrained: bool = False
+    speculative: bool = True  # False: the request opts out (on a speculating engine)
 
     @property
     def ends_at_eos(self) -> bool:
@@ -77,6 +78,7 @@ class Choice:
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             grammar=_any_text_grammar() if self.constrained else None,
+            speculative=self.speculative,
         )
 
 
@@ -120,6 +122,9 @@ class EngineShape:
     max_running: int = 4
     max_batched_tokens: int = 16
     prefix_cache: bool = True
+    # Prompt-lookup speculation (engine/speculative.py) in every step: drafts take pages, get
+    # rejected (rolled back) and, now and then, kept, so one output carries several tokens.
+    speculative: bool = False
 
     @property
     def max_model_len(self) -> int:
@@ -192,6 +197,7 @@ class Stats:
     pauses: int = 0
     failed_steps: int = 0
     steps_after_end: int = 0  # most steps a sequence was in after the front end ended it
+    multi_token_outputs: int = 0  # outputs carrying more than one token (speculation)
 
 
 # -- the HTTP layer ------------------------------------------------------------------------------

@@ -57,7 +57,9 @@ def engine_shapes(draw: st.DrawFn) -> EngineShape:
     max_running = draw(st.integers(1, 8))
     max_batched_tokens = max_running + draw(st.integers(0, 24))
     prefix_cache = draw(st.booleans())
-    return EngineShape(page_size, num_pages, max_running, max_batched_tokens, prefix_cache)
+    speculative = draw(BOOLS)  # shrinks to off
+    return EngineShape(page_size, num_pages, max_running, max_batched_tokens, prefix_cache,
+                       speculative)
 
 
 ALL_KINDS = ("read_all", "slow", "leave", "stall", "cancel", "finish")
@@ -88,7 +90,8 @@ def choices(draw: st.DrawFn, prompt: tuple[int, ...]) -> Choice:
             for _ in range(draw(st.integers(0, 2)))]
     ignore_eos = draw(NOT_BOOLS)  # shrinks to ignoring the EOS
     constrained = sometimes(draw, BOOLS, False)  # with grammar state (engine/grammar.py)
-    return Choice(max_tokens, tuple(dict.fromkeys(stop)), ignore_eos, constrained)
+    speculative = sometimes(draw, st.just(False), True)  # opted out of speculation
+    return Choice(max_tokens, tuple(dict.fromkeys(stop)), ignore_eos, constrained, speculative)
 
 
 def tokens(length: int) -> st.SearchStrategy[list[int]]:

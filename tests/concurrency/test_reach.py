@@ -86,3 +86,16 @@ def test_shared_prefixes_hit_the_prefix_cache() -> None:
     report = run(Scenario(EngineShape(page_size=4, num_pages=32), reqs))
     assert report.engine.scheduler.prefix_hits > 0
     assert outcomes(report) == ["finished"] * 3
+
+
+def test_speculation_emits_several_tokens_in_one_output_within_credits() -> None:
+    """A prompt whose fake continuation prompt lookup guesses two tokens of (found by search):
+    one output carries three tokens, with one credit per choice and a slow reader."""
+    prompt = (33, 55, 7, 35, 10, 26, 36, 4, 17, 56)
+    shape = EngineShape(page_size=4, num_pages=32, max_running=2, max_batched_tokens=16,
+                        speculative=True)
+    reqs = (Request(prompt, LONG, client=Client("slow", delay=2.0)),
+            Request(prompt, (Choice(max_tokens=12, speculative=False),)))
+    report = run(Scenario(shape, reqs, channel_capacity=1))
+    assert report.engine.stats.multi_token_outputs >= 1
+    assert outcomes(report) == ["finished"] * 2

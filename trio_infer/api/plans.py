@@ -331,6 +331,7 @@ def _sampling(
         thinking_budget=thinking[0],
         think_ids=thinking[1] if thinking[0] is not None else (),
         priority=req.priority or 0,
+        speculative=req.speculative is not False,
     )
     # Choice i of a seeded request uses seed + i: the choices differ, and the whole request
     # replays exactly with the same seed. (In a batch, choice i of every prompt: a prompt gives

@@ -239,6 +239,9 @@ class _SamplingFields(_Strict):
     # (overrides X-Request-Timeout and request_timeout_s), and vLLM's priority (lower first).
     timeout: Timeout | None = None
     priority: Priority | None = None
+    # trio-infer's extension: false keeps this request out of speculative decoding (one token
+    # per step) on a server that speculates (`serve --speculative`); the output is the same.
+    speculative: bool | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

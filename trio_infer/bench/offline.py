@@ -12,6 +12,12 @@ Definitions (also in docs/benchmarks.md):
 - prefill tok/s: prompt tokens of the whole workload / time until every request has its first
   output token (all requests are submitted at t=0; the engine interleaves decodes of requests
   already past their prompt, which this figure includes).
+
+``--speculative ngram`` measures speculative decoding instead (engine/speculative.py): our
+engine with it against the same engine (same loaded model) without it, ``--rounds`` rounds
+interleaved (the order alternates each round), on the random workload or ``--workload grounded``
+(bench/grounded.py); ``--baseline llama-server-ngram`` adds llama.cpp's server with its own
+n-gram speculation (``--spec-type ngram-simple``) on the same token ids, in the same rounds.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import dataclasses
 import gc
 import math
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +48,11 @@ from trio_infer.bench.engine_setup import (
     supports_prefix_cache_flag,
     token_range,
 )
+from trio_infer.bench.grounded import make_grounded_workload
 from trio_infer.bench.profile import run_profile
 from trio_infer.bench.workload import make_workload, parse_range
 
-BASELINES = ("hf-sequential", "hf-static", "no-prefix-cache", "llama.cpp")
+BASELINES = ("hf-sequential", "hf-static", "no-prefix-cache", "llama.cpp", "llama-server-ngram")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument(
@@ -118,6 +127,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="size of the tensor read to measure memory bandwidth (keep it well "
                    "above the L3 cache)")
     p.add_argument("--output-json", type=Path, default=None)
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative", choices=("off", "ngram"), default="off",
+                      help="ngram: ours with prompt-lookup speculation against ours without, "
+                      "interleaved rounds (see the module's docstring)")
+    spec.add_argument("--workload", choices=("random", "grounded"), default="random",
+                      help="grounded: rewrite / summarize a given passage, edit a given code "
+                      "file (bench/grounded.py), through the model's chat template")
+    spec.add_argument("--speculative-tokens", type=int, default=None,
+                      help="k: tokens guessed per step (default: the server's)")
+    spec.add_argument("--speculative-max-batch", type=int, default=None,
+                      help="the off-switch's batch size (default: the server's)")
+    spec.add_argument("--rounds", type=int, default=2, help="interleaved rounds (--speculative)")
 
 
 # -- the subcommand ---------------------------------------------------------------------------
@@ -143,10 +164,14 @@ def main(args: argparse.Namespace) -> int:
 
     vocab = model_config(path).vocab_size
     first_id, end_id = token_range(vocab, special_token_ids(path))
-    workload = make_workload(
-        args.num_prompts, args.input_len, args.output_len, end_id,
-        seed=args.seed, shared_prefix_len=args.shared_prefix_len, first_id=first_id,
-    )
+    if args.workload == "grounded":
+        workload = make_grounded_workload(_tokenizer(path, args), args.num_prompts,
+                                          args.output_len, seed=args.seed)
+    else:
+        workload = make_workload(
+            args.num_prompts, args.input_len, args.output_len, end_id,
+            seed=args.seed, shared_prefix_len=args.shared_prefix_len, first_id=first_id,
+        )
     prompt_tokens = sum(r.prompt_len for r in workload)
     wanted = sum(r.output_len for r in workload)
     print(
@@ -158,6 +183,9 @@ def main(args: argparse.Namespace) -> int:
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}",
         flush=True,
     )
+
+    if args.speculative != "off":
+        return run_speculative(path, args, workload, threads)
 
     results: dict[str, dict[str, Any]] = {}
     ours_cache = None
@@ -181,6 +209,8 @@ def main(args: argparse.Namespace) -> int:
             engine = build_engine(path, args, workload, False)
             results[name] = run_engine(engine, workload, args.ignore_eos)
             del engine
+        elif name == "llama-server-ngram":
+            raise SystemExit("error: --baseline llama-server-ngram goes with --speculative")
         elif name == "llama.cpp":
             load_before = loadavg()
             results[name] = llamacpp.run_workload(
@@ -249,3 +279,174 @@ def _report_line(name: str, r: dict[str, Any]) -> None:
         file=sys.stdout,
         flush=True,
     )
+
+
+# -- --speculative ----------------------------------------------------------------------------
+
+
+def _tokenizer(path: Path, args: argparse.Namespace) -> Any:
+    """The model's tokenizer, for the grounded workload's chat template."""
+    from trio_infer.models.default_model import default_cache_dir
+    from trio_infer.runtime.tokenizer import load_saved_tokenizer
+    from trio_infer.runtime.tokenizer_cache import load_gguf_tokenizer_cached
+
+    if is_gguf(path):
+        return load_gguf_tokenizer_cached(path, args.cache_dir or default_cache_dir())
+    return load_saved_tokenizer(path)
+
+
+def run_speculative(path: Path, args: argparse.Namespace, workload: list, threads: int) -> int:
+    """Ours with speculation against ours without (the same loaded model), and llama-server with
+    its n-gram speculation if asked, each once per round, the order alternating by round."""
+    from trio_infer.engine.engine import Engine
+
+    base = build_engine(path, args, workload, not args.no_prefix_cache)
+    plain_config = dataclasses.replace(base.config, speculative="off")
+    spec_kw: dict[str, Any] = {"speculative": args.speculative}
+    if args.speculative_tokens:
+        spec_kw["speculative_tokens"] = args.speculative_tokens
+    if args.speculative_max_batch:
+        spec_kw["speculative_max_batch"] = args.speculative_max_batch
+    spec_config = dataclasses.replace(base.config, **spec_kw)
+    model = base.model
+    del base
+    print(f"speculative: {dataclasses.asdict(spec_config)}", flush=True)
+    server = (_LlamaServerNgram(path, args, threads, spec_config.speculative_tokens)
+              if "llama-server-ngram" in args.baseline else None)
+    runs: dict[str, list[dict[str, Any]]] = {"ours-speculative": [], "ours-plain": []}
+    if server is not None:
+        runs["llama-server-ngram"] = []
+    try:
+        if server is not None:
+            server.start()
+        for r in range(args.rounds):
+            order = list(runs) if r % 2 == 0 else list(reversed(runs))
+            for name in order:
+                load_before = loadavg()
+                if name == "llama-server-ngram":
+                    assert server is not None
+                    res = server.run(workload, args.ignore_eos)
+                else:
+                    config = spec_config if name == "ours-speculative" else plain_config
+                    engine = Engine(model, config, device="cpu")
+                    res = run_engine(engine, workload, args.ignore_eos)
+                    st = engine.statistics()
+                    res.update(spec_proposed=st.spec_proposed, spec_accepted=st.spec_accepted,
+                               tokens_per_step=st.sampled_tokens / max(1, st.sample_steps))
+                    del engine
+                    gc.collect()
+                res["loadavg_1m"] = [load_before, loadavg()]
+                runs[name].append(res)
+                extra = ""
+                if "spec_proposed" in res and res["spec_proposed"]:
+                    extra = (f", accepted {res['spec_accepted']}/{res['spec_proposed']} guesses, "
+                             f"{res['tokens_per_step']:.2f} tokens/step")
+                print(f"  round {r + 1} {name}: {res['output_tokens']:,} tokens in "
+                      f"{res['elapsed_s']:.2f} s = {res['output_tok_s']:.1f} tok/s{extra} (load "
+                      f"average {load_before:.2f} -> {res['loadavg_1m'][1]:.2f})", flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+
+    median = {n: statistics.median(x["output_tok_s"] for x in rs) for n, rs in runs.items()}
+    spec = runs["ours-speculative"]
+    ratios = {n: statistics.median(a["output_tok_s"] / b["output_tok_s"] for a, b in zip(spec, rs))
+              for n, rs in runs.items() if n != "ours-speculative"}
+    print()
+    stats.print_table(
+        ["system", "rounds", "median out tok/s", "speculative/this (median of rounds)"],
+        [[n, len(rs), median[n], 1.0 if n == "ours-speculative" else ratios[n]]
+         for n, rs in runs.items()],
+    )
+    same = [a["output_tokens"] == b["output_tokens"] for a, b in zip(spec, runs["ours-plain"])]
+    print(f"output tokens equal with and without speculation (greedy): {all(same)}")
+    if args.output_json:
+        stats.write_json(args.output_json, {
+            "runs": runs, "median_output_tok_s": median, "ratios": ratios,
+            "config": {"model": str(path), "workload": args.workload, "threads": threads,
+                       "num_prompts": args.num_prompts, "input_len": str(args.input_len),
+                       "output_len": str(args.output_len), "ignore_eos": args.ignore_eos,
+                       "seed": args.seed, "rounds": args.rounds,
+                       "engine": dataclasses.asdict(spec_config)},
+            "environment": stats.environment(),
+        })
+        print(f"wrote {args.output_json}")
+    return 0
+
+
+class _LlamaServerNgram:
+    """llama-server with ``--spec-type ngram-simple`` (drafts of at most our k) on the same GGUF
+    file, fed the workload's token ids over its native ``/completion`` (greedy, ``n_predict`` =
+    the request's output length, no prompt cache), ``max_running`` requests at a time on as many
+    slots, after one untimed warm-up request."""
+
+    def __init__(self, path: Path, args: argparse.Namespace, threads: int, k: int) -> None:
+        from trio_infer.bench import llamaserver
+
+        if not is_gguf(path):
+            raise SystemExit("error: --baseline llama-server-ngram needs a GGUF --model")
+        self.path = path
+        self.threads = args.llamacpp_threads or threads
+        self.slots = args.max_running or 1
+        self.k = k  # its --spec-draft-n-max: our speculative_tokens
+        self.binary = llamaserver.require()
+        self.proc: Any = None
+        self.port = 0
+
+    def start(self) -> None:
+        import trio
+
+        from trio_infer.bench import llamaserver
+        from trio_infer.bench.client import Endpoint
+        from trio_infer.bench.servers import System, _wait_healthy, free_port, start_server
+
+        self.port = free_port()
+        argv = llamaserver.command(self.binary, self.path, self.port, threads=self.threads,
+                                   slots=self.slots, ctx_per_slot=4096,
+                                   extra=["--spec-type", "ngram-simple",
+                                          "--spec-draft-n-max", str(self.k)])
+        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-ngram-{self.port}.log"
+        print(f"llama-server-ngram: {' '.join(argv)} (log {log})", flush=True)
+        self.proc = start_server(System("llama-server-ngram", argv, dict(os.environ), None),
+                                 self.port, log)
+        trio.run(_wait_healthy, Endpoint("127.0.0.1", self.port, ""), self.proc, 300.0, log,
+                 "llama-server-ngram")
+
+    def stop(self) -> None:
+        from trio_infer.bench.servers import stop_server
+
+        if self.proc is not None:
+            stop_server(self.proc)
+
+    def run(self, workload: list, ignore_eos: bool) -> dict[str, Any]:
+        import json
+
+        import trio
+
+        from trio_infer.bench.client import Endpoint, request
+        from trio_infer.bench.workload import make_result
+
+        ep = Endpoint("127.0.0.1", self.port, "")
+        out_tokens = [0] * len(workload)
+
+        async def one(i: int, limiter: trio.CapacityLimiter) -> None:
+            req = workload[i]
+            body = {"prompt": req.prompt_ids, "n_predict": req.output_len, "temperature": 0.0,
+                    "ignore_eos": ignore_eos, "cache_prompt": False}
+            async with limiter:
+                status, raw = await request(ep, "POST", "/completion", body)
+            if status != 200:
+                raise SystemExit(f"error: llama-server answered {status}: {raw[:300]!r}")
+            out_tokens[i] = min(req.output_len, int(json.loads(raw)["tokens_predicted"]))
+
+        async def main() -> float:
+            await one(0, trio.CapacityLimiter(1))  # warm-up, untimed
+            limiter = trio.CapacityLimiter(self.slots)
+            t0 = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for i in range(len(workload)):
+                    nursery.start_soon(one, i, limiter)
+            return time.perf_counter() - t0
+
+        elapsed = trio.run(main)
+        return make_result(workload, out_tokens, elapsed, None)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from trio_infer.settings import Settings
 
 KVCacheDType = Literal["auto", "float32", "float16", "bfloat16"]
+SpeculativeMethod = Literal["off", "ngram"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,20 @@ class EngineConfig:
     # bandwidth of fp32, with the tolerance docs/kernels.md measures), the model's dtype
     # otherwise; or "float32", "float16", "bfloat16" (see kv_cache.resolve_kv_dtype).
     kv_cache_dtype: KVCacheDType = "auto"
+    # Speculative decoding (engine/speculative.py): "ngram" guesses up to speculative_tokens
+    # tokens per step by prompt lookup (matching the last speculative_ngram tokens at most,
+    # speculative_ngram_min at least);
+    # no sequence proposes in a step with more than speculative_max_batch running sequences,
+    # and a sequence whose acceptance falls below speculative_min_acceptance pauses.
+    speculative: SpeculativeMethod = "off"
+    speculative_tokens: int = 3
+    speculative_ngram: int = 3
+    speculative_ngram_min: int = 2
+    speculative_max_batch: int = 4
+    speculative_min_acceptance: float = 0.3
+    # Measure whether verify steps emit tokens faster than plain ones and pause drafting while
+    # they do not (speculative.Payoff). False: decided by the rules above alone (deterministic).
+    speculative_payoff: bool = True
 
     def __post_init__(self) -> None:
         for name in ("page_size", "kv_cache_bytes", "max_running", "max_batched_tokens"):
@@ -38,6 +53,16 @@ class EngineConfig:
         if self.max_batched_tokens < self.max_running:
             # every running sequence decodes one token per step, within the step's budget
             raise ValueError("max_batched_tokens must be >= max_running (one token per decode)")
+        if self.speculative not in ("off", "ngram"):
+            raise ValueError(f"speculative {self.speculative!r}: expected off or ngram")
+        for name in ("speculative_tokens", "speculative_ngram", "speculative_ngram_min",
+                     "speculative_max_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.speculative_ngram_min > self.speculative_ngram:
+            raise ValueError("speculative_ngram_min must be <= speculative_ngram")
+        if not 0 <= self.speculative_min_acceptance <= 1:
+            raise ValueError("speculative_min_acceptance must be in [0, 1]")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
@@ -48,6 +73,13 @@ class EngineConfig:
             max_running=settings.max_running,
             max_batched_tokens=settings.max_batched_tokens,
             kv_cache_dtype=settings.kv_cache_dtype,
+            speculative=settings.speculative,
+            speculative_tokens=settings.speculative_tokens,
+            speculative_ngram=settings.speculative_ngram,
+            speculative_ngram_min=settings.speculative_ngram_min,
+            speculative_max_batch=settings.speculative_max_batch,
+            speculative_min_acceptance=settings.speculative_min_acceptance,
+            speculative_payoff=settings.speculative_payoff,
         )
 
 

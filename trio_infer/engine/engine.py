@@ -16,11 +16,18 @@ Constrained sequences (``SamplingParams.grammar``) carry their grammar state (en
 ``execute`` starts computing their token masks in a thread before the forward pass and the
 sampler applies them; ``commit`` advances each matcher by its token and ends the sequence when
 the grammar is complete.
+
+Speculative decoding (``config.speculative``, engine/speculative.py): a sequence that can
+speculate gets a :class:`~trio_infer.engine.speculative.PromptLookup`; the scheduler asks it for
+a draft, the step verifies the draft in the same forward, and ``commit`` appends the kept drafts
+and one more token, stopping at the first that ends the sequence, all in one output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Hashable
 
@@ -35,6 +42,7 @@ from trio_infer.engine.prefix_cache import PrefixCache
 from trio_infer.engine.sampler import SampleResult
 from trio_infer.engine.scheduler import Schedule, Scheduler
 from trio_infer.engine.sequence import Sequence, Status
+from trio_infer.engine.speculative import Drafts, Payoff, PromptLookup
 from trio_infer.models.base import CausalLM
 from trio_infer.wire import EngineStatistics, RequestOutput, SamplingParams
 
@@ -47,8 +55,9 @@ __all__ = ["Engine", "EngineConfig", "EngineStatistics", "RequestOutput", "StepP
 class StepPlan:
     schedule: Schedule
     batch: ForwardBatch
-    sampling: list[Sequence] = field(default_factory=list)  # sequences in logits-row order
+    sampling: list[Sequence] = field(default_factory=list)  # plain sampling sequences, row order
     prompt_rows: PromptRows | None = None  # logits rows after the sampling ones
+    drafts: Drafts | None = None  # the sequences that verify a draft this step
 
 
 class Engine:
@@ -95,10 +104,17 @@ class Engine:
             config.max_running,
             config.max_batched_tokens,
             self.prefix_cache,
+            config.speculative_max_batch if config.speculative != "off" else 0,
         )
         self.runner = ModelRunner(model, self.kv_cache, self.device)
         self._seqs: dict[Hashable, Sequence] = {}
         self.grammars = grammars
+        self._sample_steps = 0  # sequence-steps that sampled, since start
+        self._sampled_tokens = 0  # the tokens they emitted
+        self._spec_proposed = 0
+        self._spec_accepted = 0
+        self._payoff = (Payoff() if config.speculative != "off" and config.speculative_payoff
+                        else None)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -137,8 +153,23 @@ class Engine:
         if params.min_tokens:
             eos = () if params.ignore_eos else sorted(self.eos_token_ids)
             seq.min_tokens_block = tuple(dict.fromkeys([*eos, *params.stop_token_ids]))
+        if self._speculates(params):
+            c = self.config
+            seq.lookup = PromptLookup(c.speculative_ngram, c.speculative_tokens,
+                                      c.speculative_min_acceptance, c.speculative_ngram_min)
         self._seqs[uid] = seq
         self.scheduler.add(seq)
+
+    def _speculates(self, params: SamplingParams) -> bool:
+        """Whether a request with ``params`` speculates: the server does, the request did not opt
+        out, and nothing in its sampling reads the tokens before the one being sampled (a
+        grammar, penalties, logit_bias, min_tokens, a thinking budget) or needs per-token
+        logprobs; a seeded sampled request does not either, so that its tokens still depend
+        only on its seed and its logits, not on when the off-switch lets its batch speculate."""
+        p = params
+        return (self.config.speculative != "off" and p.speculative and p.grammar is None
+                and not p.adjusted and p.logprobs is None and not p.min_tokens
+                and p.thinking_budget is None and (p.greedy or p.seed is None))
 
     def abort(self, uid: Hashable) -> bool:
         """Drop a request wherever it is, freeing its pages. False if it is unknown or done."""
@@ -161,19 +192,21 @@ class Engine:
     # -- stepping -------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        schedule = self.scheduler.schedule()
+        schedule = self.scheduler.schedule(self._payoff is None or self._payoff.allows())
         if schedule is None:
             return None
-        batch, prompt_rows = self.runner.prepare(schedule)
-        sampling = [it.seq for it in schedule.items if it.samples]
-        return StepPlan(schedule, batch, sampling, prompt_rows)
+        batch, prompt_rows, drafts = self.runner.prepare(schedule)
+        sampling = [it.seq for it in schedule.items if it.samples and not it.draft]
+        return StepPlan(schedule, batch, sampling, prompt_rows, drafts)
 
     def execute(self, plan: StepPlan) -> SampleResult:
         # The masks of the constrained rows are computed in a thread while the model runs; the
         # sampler waits for them. The thread is joined before this returns, whatever happens.
         masks = TokenMasks.start(self.grammars, [seq.matcher for seq in plan.sampling])
         try:
-            return self.runner.run(plan.batch, plan.sampling, plan.prompt_rows, masks)
+            t0 = time.perf_counter()
+            result = self.runner.run(plan.batch, plan.sampling, plan.prompt_rows, masks, plan.drafts)
+            return dataclasses.replace(result, seconds=time.perf_counter() - t0)
         finally:
             if masks is not None:
                 masks.join()  # the sampler waited already, unless the forward pass raised
@@ -182,15 +215,21 @@ class Engine:
         outputs: list[RequestOutput] = []
         row = 0
         lp_row = 0
+        verified = iter(result.verified)
         for it in plan.schedule.items:
             seq = it.seq
-            if it.samples:
+            if it.draft:
+                tokens = next(verified)
+            elif it.samples:
                 token, logprob = result.token_ids[row], result.logprobs[row]
                 row += 1
             if it.lp_end > it.lp_start:
                 lp_first, lp_row = lp_row, lp_row + it.lp_end - it.lp_start
             if seq.status is not Status.RUNNING:
                 continue  # aborted while the step ran
+            if it.draft:
+                outputs.append(self._commit_verified(seq, it.start, it.draft, tokens))
+                continue
             seq.num_computed = it.start + it.num_tokens
             self.scheduler.record_computed(seq)
             if it.lp_end > it.lp_start and seq.prompt_lps is not None:
@@ -208,6 +247,8 @@ class Engine:
             reason, stop_token = self._stop_reason(seq, token)
             if reason is not None:
                 self._retire(seq, reason)
+            self._sample_steps += 1
+            self._sampled_tokens += 1
             prompt_lps = None
             if seq.prompt_lps is not None:  # the first output: hand them over
                 prompt_lps, seq.prompt_lps = seq.prompt_lps, None
@@ -223,7 +264,48 @@ class Engine:
                     prompt_logprobs=prompt_lps,
                 )
             )
+        if self._payoff is not None and all(it.decode_rows for it in plan.schedule.items):
+            self._payoff.record(len(plan.schedule.items), result.seconds,
+                                sum(len(o.token_ids) for o in outputs), plan.drafts is not None)
         return outputs
+
+    def _commit_verified(
+        self, seq: Sequence, start: int, draft: tuple[int, ...], tokens: list[int]
+    ) -> RequestOutput:
+        """A verify step's result: the kept drafts' keys and values count as computed (the
+        rejected ones' are overwritten later), and the tokens are appended one by one up to the
+        first that ends the sequence."""
+        kept = len(tokens) - 1
+        assert seq.lookup is not None
+        seq.lookup.record(len(draft), kept)
+        self._spec_proposed += len(draft)
+        self._spec_accepted += kept
+        reason = stop_token = None
+        emitted: list[int] = []
+        for token in tokens:
+            seq.token_ids.append(token)
+            emitted.append(token)
+            reason, stop_token = self._stop_reason(seq, token)
+            if reason is not None:
+                break
+        # Positions start .. start + kept hold the keys of the tokens there (the last sampled one
+        # and the kept drafts); a stop before the end of them cuts the tokens, not the rule.
+        seq.num_computed = min(start + 1 + kept, len(seq.token_ids) - 1)
+        self.scheduler.record_computed(seq)
+        if reason is not None:
+            self._retire(seq, reason)
+        self._sample_steps += 1
+        self._sampled_tokens += len(emitted)
+        return RequestOutput(
+            uid=seq.uid,
+            token_ids=emitted,
+            logprobs=None,
+            finish_reason=reason,
+            stop_token_id=stop_token,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            prompt_logprobs=None,
+        )
 
     def _retire(self, seq: Sequence, reason: str) -> None:
         """The one way a sequence leaves the engine: its pages go back (scheduler), its grammar
@@ -271,6 +353,10 @@ class Engine:
             pages_total=self.pool.num_pages,
             prefix_queries=self.scheduler.prefix_queries,
             prefix_hits=self.scheduler.prefix_hits,
+            sample_steps=self._sample_steps,
+            sampled_tokens=self._sampled_tokens,
+            spec_proposed=self._spec_proposed,
+            spec_accepted=self._spec_accepted,
         )
 
     def has_unfinished(self) -> bool:

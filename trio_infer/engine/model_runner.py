@@ -1,7 +1,8 @@
 """Turns a schedule into tensors, runs the model, samples.
 
-The model computes logits only for the rows of ``batch.logits_indices``: first one row per
-sequence that samples (in ``sampling`` order), then the rows that give prompt logprobs
+The model computes logits only for the rows of ``batch.logits_indices``: first the sampling
+rows in schedule order (one per sequence that samples, ``1 + len(draft)`` for a sequence that
+verifies a draft: engine/speculative.py), then the rows that give prompt logprobs
 (:class:`PromptRows`), which exist only for the sequences that asked for them.
 """
 
@@ -17,6 +18,7 @@ from trio_infer.engine.kv_cache import KVCache
 from trio_infer.engine.sampler import SampleResult, prompt_logprobs, sample
 from trio_infer.engine.scheduler import Schedule
 from trio_infer.engine.sequence import Sequence
+from trio_infer.engine.speculative import Drafts, verify
 from trio_infer.models.base import CausalLM
 
 
@@ -35,8 +37,12 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
 
-    def prepare(self, schedule: Schedule) -> tuple[ForwardBatch, PromptRows | None]:
-        """Build the step's input tensors from the schedule's snapshot (not from live state)."""
+    def prepare(self, schedule: Schedule) -> tuple[ForwardBatch, PromptRows | None, Drafts | None]:
+        """Build the step's input tensors from the schedule's snapshot (not from live state).
+
+        An item with a draft becomes ``1 + len(draft)`` one-token decode rows of the same
+        sequence (position ``start + j``, context ``start + j + 1``, the same page table), each
+        with its logits; the :class:`Drafts` say where they sit (None when no item has one)."""
         page_size = self.kv_cache.page_size
         input_ids: list[int] = []
         starts: list[int] = []
@@ -48,9 +54,28 @@ class ModelRunner:
         lp_rows: list[int] = []
         lp_targets: list[int] = []
         lp_top_k: list[int] = []
+        draft_seqs: list[Sequence] = []
+        draft_tokens: list[tuple[int, ...]] = []
+        draft_rows: list[int] = []
+        plain_rows: list[int] = []
         total = 0
         for it in schedule.items:
             end = it.start + it.num_tokens
+            if it.draft:
+                draft_seqs.append(it.seq)
+                draft_tokens.append(it.draft)
+                draft_rows.append(len(logits_indices))
+                input_ids.append(it.seq.token_ids[it.start])
+                input_ids.extend(it.draft)
+                padded = [*it.pages, *[0] * (max_pages - len(it.pages))]
+                for j in range(it.num_tokens):
+                    starts.append(it.start + j)
+                    counts.append(1)
+                    seq_lens.append(it.start + j + 1)
+                    pages.extend(padded)
+                    logits_indices.append(total + j)
+                total += it.num_tokens
+                continue
             if it.num_tokens == 1:
                 input_ids.append(it.seq.token_ids[it.start])
             else:
@@ -67,14 +92,19 @@ class ModelRunner:
                 lp_top_k.extend([it.seq.params.prompt_logprobs or 0] * (it.lp_end - it.lp_start))
             total += it.num_tokens
             if it.samples:
+                plain_rows.append(len(logits_indices))
                 logits_indices.append(total - 1)
         page_table = torch.tensor(pages, dtype=torch.int64).view(len(counts), max_pages)
 
         if total == len(counts):  # a pure decode step (the common one): plain lists, no indexing
             query_start_loc = torch.arange(total + 1, dtype=torch.int64)
             positions = torch.tensor(starts, dtype=torch.int64)
-            slots = torch.tensor([it.pages[it.start // page_size] * page_size + it.start % page_size
-                                  for it in schedule.items], dtype=torch.int64)
+            if draft_seqs:
+                slots = (page_table[torch.arange(total), positions // page_size] * page_size
+                         + positions % page_size)
+            else:
+                slots = torch.tensor([it.pages[it.start // page_size] * page_size + it.start % page_size
+                                      for it in schedule.items], dtype=torch.int64)
         else:
             counts_t = torch.tensor(counts, dtype=torch.int64)
             seq_of_token = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
@@ -88,6 +118,7 @@ class ModelRunner:
         if lp_rows:
             logits_indices.extend(lp_rows)
             rows = PromptRows(lp_targets, lp_top_k)
+        drafts = Drafts(draft_seqs, draft_tokens, draft_rows, plain_rows) if draft_seqs else None
         dev = self.device
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev),
@@ -101,7 +132,7 @@ class ModelRunner:
             max_query_len=max(counts),
             max_seq_len=max(seq_lens),
         )
-        return batch, rows
+        return batch, rows, drafts
 
     def run(
         self,
@@ -109,15 +140,24 @@ class ModelRunner:
         sampling: list[Sequence],
         prompt_rows: PromptRows | None = None,
         masks: TokenMasks | None = None,
+        drafts: Drafts | None = None,
     ) -> SampleResult:
-        """Forward pass and sampling; ``sampling`` lists the sequences in logits-row order, and
-        ``prompt_rows`` the rows after theirs. ``masks``: the grammar masks of the constrained
-        rows, being computed while the model runs (engine/grammar.py)."""
+        """Forward pass and sampling; ``sampling`` lists the plain sampling sequences in
+        logits-row order, and ``prompt_rows`` the rows after theirs. ``masks``: the grammar masks
+        of the constrained rows, being computed while the model runs (engine/grammar.py).
+        ``drafts``: the verifying sequences, whose rows are among the sampling ones."""
         with torch.inference_mode():  # per thread: the runtime calls this from a worker thread
             logits = self.model.forward(batch, self.kv_cache.k, self.kv_cache.v)
-            result = sample(logits[: len(sampling)], sampling, masks) if sampling else SampleResult([], [])
+            num_rows = len(sampling)
+            if drafts is None:
+                result = sample(logits[:num_rows], sampling, masks) if sampling else SampleResult([], [])
+            else:
+                num_rows += sum(len(d) + 1 for d in drafts.tokens)
+                plain = logits[torch.tensor(drafts.plain_rows, dtype=torch.int64, device=logits.device)]
+                result = sample(plain, sampling, masks) if sampling else SampleResult([], [])
+                result.verified.extend(verify(logits[:num_rows], drafts))
             if prompt_rows is not None:
                 result.prompt_logprobs.extend(prompt_logprobs(
-                    logits[len(sampling) :], prompt_rows.targets, prompt_rows.top_k
+                    logits[num_rows:], prompt_rows.targets, prompt_rows.top_k
                 ))
             return result

@@ -34,6 +34,9 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per prompt row
+    # Per verifying sequence (engine/speculative.py), the tokens it emits: kept drafts, then one.
+    verified: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0  # the forward pass and sampling (Engine.execute), for speculative.Payoff
 
 
 # Prompt rows are scored this many at a time: a [rows, vocab] fp32 log-softmax per slice, not
@@ -153,6 +156,25 @@ def _thought(seq: Sequence, p: Any) -> int:
             count += 1
     seq.think_read, seq.think_count = len(ids), count
     return -1 if count is None else count
+
+
+def probabilities(logits: torch.Tensor, params: Any) -> torch.Tensor:
+    """The distribution a random (not greedy) row samples from, [N, V] in vocabulary order, for
+    rows that share ``params``: temperature, then top-k, top-p and min-p truncation, exactly as
+    :func:`_sample_random` draws (speculative verification, engine/speculative.py)."""
+    logits = logits / params.temperature
+    if not (params.top_k or params.top_p < 1 or params.min_p):
+        return torch.softmax(logits, dim=-1)
+    logits, order = logits.sort(dim=-1, descending=True)
+    probs = torch.softmax(logits, dim=-1)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= (params.top_k or vocab)
+    drop = drop | ((probs.cumsum(dim=-1) - probs) > params.top_p)
+    drop |= probs < params.min_p * probs[:, :1]
+    probs = probs.masked_fill(drop, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.empty_like(probs).scatter_(1, order, probs)
 
 
 def _sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -31,6 +31,12 @@ logprobs it already has (see :class:`~trio_infer.engine.sequence.Sequence`): the
 none, so it computes its whole prompt; the pages it computes are still offered to the cache.
 
 A sequence with ``max_tokens == 0`` prefills its prompt and never samples.
+
+Speculative decoding (engine/speculative.py): a running sequence in decode that has a
+``lookup`` may carry a draft of guessed tokens; its item then computes ``1 + len(draft)`` tokens
+(the last sampled one and the draft) and counts among the decodes, one row per token. A draft
+only takes pages the pool has free (or the prefix cache gives up): it never preempts anyone.
+No sequence proposes in a step with more than ``spec_max_batch`` running sequences (0: never).
 """
 
 from __future__ import annotations
@@ -55,12 +61,20 @@ class ScheduledSeq:
     # requests that ask for none): row p scores prompt token p + 1.
     lp_start: int = 0
     lp_end: int = 0
+    # Guessed tokens to verify after the last sampled one (speculative decoding): the item's
+    # tokens are that one and these, num_tokens == 1 + len(draft), each a decode row.
+    draft: tuple[int, ...] = ()
+
+    @property
+    def decode_rows(self) -> bool:
+        """Whether the item runs as one-token decode rows (a decode, or a decode and its draft)."""
+        return self.num_tokens == 1 or bool(self.draft)
 
 
 @dataclass(frozen=True)
 class Schedule:
-    items: list[ScheduledSeq]  # one-token items first (the decodes), then the chunks
-    num_decodes: int
+    items: list[ScheduledSeq]  # decode-row items first (decodes and drafts), then the chunks
+    num_decodes: int  # decode rows: the tokens of the decode-row items
     preempted: list[Sequence]
 
 
@@ -72,8 +86,10 @@ class Scheduler:
         max_running: int,
         max_batched_tokens: int,
         prefix_cache: PrefixCache | None = None,
+        spec_max_batch: int = 0,
     ) -> None:
         self.pool = pool
+        self.spec_max_batch = spec_max_batch
         self.page_size = page_size
         # max_batched_tokens >= max_running (a decode is one token): EngineConfig checks it.
         self.max_running = max_running
@@ -105,16 +121,25 @@ class Scheduler:
         self._free(seq)
         seq.status = Status.FINISHED
 
-    def schedule(self) -> Schedule | None:
+    def schedule(self, speculate: bool = True) -> Schedule | None:
+        """The next step; ``speculate`` False: no sequence drafts in it."""
         budget = self.max_batched_tokens
         items: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
 
+        propose = speculate and 0 < len(self.running) <= self.spec_max_batch
         i = 0
         while i < len(self.running) and budget:
             seq = self.running[i]
             if not seq.ready:
                 i += 1
+                continue
+            draft = self._draft(seq, budget) if propose else ()
+            if draft:
+                i += 1
+                items.append(ScheduledSeq(seq, seq.num_computed, 1 + len(draft),
+                                          tuple(seq.pages), True, draft=draft))
+                budget -= 1 + len(draft)
                 continue
             n = min(seq.num_pending, budget)
             preempted_before = len(preempted)
@@ -162,8 +187,8 @@ class Scheduler:
 
         if not items:
             return None
-        items.sort(key=lambda it: it.num_tokens != 1)  # stable: decodes first
-        num_decodes = sum(1 for it in items if it.num_tokens == 1)
+        items.sort(key=lambda it: not it.decode_rows)  # stable: decodes first
+        num_decodes = sum(it.num_tokens for it in items if it.decode_rows)
         return Schedule(items, num_decodes, preempted)
 
     def record_computed(self, seq: Sequence) -> None:
@@ -194,6 +219,19 @@ class Scheduler:
             self.pool.retain(seq.pages)
             seq.cache_nodes = [node.id for node in nodes]
             seq.num_computed = len(nodes) * self.page_size
+
+    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """The tokens ``seq`` guesses for this step, with the pages to verify them reserved; ()
+        when it does not speculate now. A draft never goes past ``max_tokens`` or the context."""
+        if seq.lookup is None or seq.num_pending != 1 or seq.prompt_lps is not None:
+            return ()
+        limit = min(budget - 1, seq.max_len - len(seq.token_ids))
+        if seq.params.max_tokens is not None:
+            limit = min(limit, seq.params.max_tokens - seq.num_output_tokens - 1)
+        draft = seq.lookup.propose(seq.token_ids, limit)
+        if not draft or not self._reserve(seq, seq.num_computed + 1 + len(draft)):
+            return ()
+        return tuple(draft)
 
     def _item(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed

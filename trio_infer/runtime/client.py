@@ -96,6 +96,7 @@ class AsyncEngine:
         self._ids = itertools.count(1)  # request k gets id id_offset + k * id_stride
         self._last_step: float | None = None
         self._prefix_seen = (0, 0)
+        self._spec_seen = (0, 0)  # spec_proposed, spec_accepted already counted
 
     @property
     def max_model_len(self) -> int:
@@ -218,6 +219,7 @@ class AsyncEngine:
         self._router.reset(EngineUnavailable("the batching worker stopped; retry shortly"))
         self._last_step = None
         self._prefix_seen = (0, 0)
+        self._spec_seen = (0, 0)
         m = self.metrics
         for gauge in (m.requests_running, m.requests_waiting, m.kv_pages_used, m.kv_pages_cached):
             gauge.set(0)
@@ -311,6 +313,12 @@ class AsyncEngine:
         m.prefix_cache_queries_total.inc(s.prefix_queries - self._prefix_seen[0])
         m.prefix_cache_hits_total.inc(s.prefix_hits - self._prefix_seen[1])
         self._prefix_seen = (s.prefix_queries, s.prefix_hits)
+        if m.spec_proposed_total is not None and m.spec_accepted_total is not None:
+            m.spec_proposed_total.inc(s.spec_proposed - self._spec_seen[0])
+            m.spec_accepted_total.inc(s.spec_accepted - self._spec_seen[1])
+            self._spec_seen = (s.spec_proposed, s.spec_accepted)
+        if m.tokens_per_step is not None and s.sample_steps:
+            m.tokens_per_step.set(s.sampled_tokens / s.sample_steps)
 
 
 def is_instant(engine: Engine) -> bool:

@@ -27,6 +27,8 @@ from typing import Any, AsyncIterator, Protocol, Sequence
 from trio_infer.runtime.client import AsyncEngine, GenerationStream
 from trio_infer.runtime.detokenizer import IncrementalDetokenizer
 from trio_infer.runtime.stop_strings import StopStringMatcher
+import msgspec
+
 from trio_infer.wire import RequestOutput, SamplingParams, TokenLogprob
 
 
@@ -72,7 +74,7 @@ class ChoiceText:
         lps: list[TokenLogprob] = []
         finish: str | None = None
         prompt_lps = None
-        for out in outputs:
+        for out in _one_token_each(outputs):
             if out.prompt_logprobs is not None:  # the first output of a choice that asked
                 prompt_lps = self.prompt_logprobs = out.prompt_logprobs
             ids = out.token_ids
@@ -114,6 +116,31 @@ class ChoiceText:
         self.held = None
         self.sent_tokens = self.num_tokens
         return delta
+
+
+def _one_token_each(outputs: Sequence[RequestOutput]) -> Sequence[RequestOutput]:
+    """The outputs with one token each: a step of speculative decoding emits several tokens in
+    one output, and a stop string must end the choice (and its token count) at the token that
+    completes it, as it does one token a step."""
+    if all(len(out.token_ids) <= 1 for out in outputs):
+        return outputs
+    split: list[RequestOutput] = []
+    for out in outputs:
+        n = len(out.token_ids)
+        if n <= 1:
+            split.append(out)
+            continue
+        for j, token in enumerate(out.token_ids):
+            last = j == n - 1
+            split.append(msgspec.structs.replace(
+                out, token_ids=[token],
+                logprobs=out.logprobs[j : j + 1] if out.logprobs else out.logprobs,
+                finish_reason=out.finish_reason if last else None,
+                stop_token_id=out.stop_token_id if last else None,
+                num_output_tokens=out.num_output_tokens - (n - 1 - j),
+                prompt_logprobs=out.prompt_logprobs if j == 0 else None,
+            ))
+    return split
 
 
 @dataclass(frozen=True)

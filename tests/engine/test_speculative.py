@@ -1,0 +1,416 @@
+"""Speculative decoding by prompt lookup (engine/speculative.py): the proposals, the greedy and
+sampled verification, and the engine around them (opt-out, off-switch, stops, pages, counters)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from trio_infer.engine.engine import Engine, EngineConfig
+from trio_infer.engine.forward_batch import ForwardBatch
+from trio_infer.engine.sampler import probabilities
+from trio_infer.engine.speculative import COOLDOWN_STEPS, Drafts, Payoff, PromptLookup, verify
+from trio_infer.models.base import ModelInfo
+from trio_infer.models.default_model import default_cache_dir, default_model_file
+from trio_infer.models.loader import load_model
+from trio_infer.wire import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+# Without the payoff measurement, which depends on timings: these tests are deterministic.
+SPEC = dict(speculative="ngram", speculative_tokens=4, speculative_max_batch=8,
+            speculative_payoff=False)
+
+
+def run(engine: Engine, requests: dict, stagger: int = 0) -> dict[object, list[int]]:
+    """Submit ``requests`` (uid -> (prompt, params)), ``stagger`` steps apart; collect tokens.
+    Every step's outputs carry at most one output per uid."""
+    pending = list(requests.items())
+    got: dict[object, list[int]] = {uid: [] for uid in requests}
+    while pending or engine.has_unfinished():
+        for _ in range(1 if stagger else len(pending)):
+            if pending:
+                uid, (prompt, params) = pending.pop(0)
+                engine.add_request(uid, prompt, params)
+        for _ in range(max(stagger, 1)):
+            outs = engine.step()
+            assert len({o.uid for o in outs}) == len(outs)
+            for out in outs:
+                got[out.uid].extend(out.token_ids)
+    assert engine.num_request_pages == 0 and engine.num_requests == 0
+    return got
+
+
+# -- prompt lookup --------------------------------------------------------------------------------
+
+
+def test_lookup_proposes_what_followed_the_latest_match_longest_first() -> None:
+    lookup = PromptLookup(max_ngram=3, num_tokens=4, min_acceptance=0.0)
+    # "7 8 9" occurs twice; the latest occurrence is followed by 50 51; "8 9" alone by 60.
+    ids = [7, 8, 9, 1, 2, 3, 4, 5, 7, 8, 9, 50, 51, 8, 9, 60, 7, 8, 9]
+    assert lookup.propose(ids, limit=10) == [50, 51, 8, 9]
+    assert lookup.propose(ids, limit=2) == [50, 51]
+    assert lookup.propose([*ids, 99], limit=4) == []  # 99 never occurred before
+    # Indexed incrementally: a suffix that only now has an earlier occurrence is found.
+    assert lookup.propose([*ids, 99, 7, 8, 9, 99], limit=4) == [7, 8, 9, 99][:4]
+
+
+def test_lookup_never_matches_the_suffix_itself() -> None:
+    lookup = PromptLookup(max_ngram=2, num_tokens=4, min_acceptance=0.0)
+    assert lookup.propose([1, 2, 3], limit=4) == []
+    assert lookup.propose([5], limit=4) == []
+
+
+def test_low_acceptance_pauses_proposals_then_retries() -> None:
+    lookup = PromptLookup(max_ngram=1, num_tokens=1, min_acceptance=0.5)
+    ids = [1, 2, 1]
+    assert lookup.propose(ids, limit=2) == [2]
+    lookup.record(proposed=1, accepted=0)  # 1.0 -> 0.7
+    assert lookup.propose(ids, limit=2) == [2]
+    lookup.record(proposed=1, accepted=0)  # 0.7 -> 0.49 < 0.5: off
+    for _ in range(COOLDOWN_STEPS):
+        assert lookup.propose(ids, limit=2) == []
+    assert lookup.propose(ids, limit=2) == [2]
+
+
+def test_draft_length_grows_after_kept_drafts_and_shrinks_after_cut_ones() -> None:
+    lookup = PromptLookup(max_ngram=2, num_tokens=3, min_acceptance=0.0, min_ngram=2)
+    ids = [5, 6, 7, 8, 9, 10, 5, 6]
+    assert lookup.propose(ids, limit=9) == [7, 8, 9]
+    lookup.record(proposed=3, accepted=1)
+    assert lookup.propose(ids, limit=9) == [7, 8]
+    lookup.record(proposed=2, accepted=0)
+    assert lookup.propose(ids, limit=9) == [7]
+    lookup.record(proposed=1, accepted=0)
+    assert lookup.propose(ids, limit=9) == [7]  # never below one
+    lookup.record(proposed=1, accepted=1)
+    assert lookup.propose(ids, limit=9) == [7, 8]
+    fresh = PromptLookup(max_ngram=2, num_tokens=3, min_acceptance=0.0, min_ngram=2)
+    assert fresh.propose([6, 7, 9, 6], limit=9) == []  # "6" occurred, but one token is too short
+
+
+def test_payoff_pauses_drafting_when_it_emits_tokens_slower() -> None:
+    payoff = Payoff(min_samples=4, pause=3)
+    for _ in range(4):
+        payoff.record(batch=1, seconds=0.010, tokens=1, drafted=False)  # 10 ms a token
+    for _ in range(3):
+        payoff.record(batch=1, seconds=0.030, tokens=2, drafted=True)  # 15 ms a token
+        assert payoff.allows()  # not enough drafting steps yet
+    payoff.record(batch=1, seconds=0.030, tokens=2, drafted=True)
+    assert [payoff.allows() for _ in range(4)] == [False, False, False, True]
+    assert payoff.pauses == 1
+    # faster drafting (or another batch size, measured apart) never pauses
+    for _ in range(8):
+        payoff.record(batch=1, seconds=0.015, tokens=3, drafted=True)
+        payoff.record(batch=2, seconds=0.050, tokens=2, drafted=True)
+        assert payoff.allows()
+    assert payoff.pauses == 1
+
+
+def test_engine_with_the_payoff_measurement_gives_the_same_tokens() -> None:
+    prompt = list(range(1, 40)) + [10]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = Engine(Successor(), EngineConfig(page_size=4, num_pages=64, speculative="ngram"))
+    assert run(engine, {"a": (prompt, params)})["a"] == [(10 + i) % 64 for i in range(1, 13)]
+    with pytest.raises(ValueError, match="speculative_ngram_min"):
+        EngineConfig(speculative="ngram", speculative_ngram=2, speculative_ngram_min=3)
+
+
+# -- verification ---------------------------------------------------------------------------------
+
+
+def test_greedy_verification_keeps_the_agreeing_prefix_and_corrects() -> None:
+    vocab = 6
+    seq = type("S", (), {"params": SamplingParams(temperature=0)})()
+    best = [3, 4, 1, 5]  # the argmax of each row: row j is after draft[:j]
+    logits = torch.zeros(4, vocab)
+    logits[torch.arange(4), torch.tensor(best)] = 1.0
+    drafts = Drafts([seq], [(3, 4, 2)], [0], [])
+    assert verify(logits, drafts) == [[3, 4, 1]]  # kept 3, 4; row 2 says 1, not 2
+    drafts = Drafts([seq], [(3, 4, 1)], [0], [])
+    assert verify(logits, drafts) == [[3, 4, 1, 5]]  # all kept, and the bonus token
+
+
+def _chi_square(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs) if p > 0)
+
+
+def test_rejection_sampling_keeps_the_distribution_at_temperature_1() -> None:
+    """Draft (2, 5) against fixed rows p0, p1, p2 over 8 tokens: the first token is distributed as
+    p0 and, when it is the draft's, the second as p1; tokens outside a top-k never appear."""
+    torch.manual_seed(0)
+    vocab, n = 8, 6000
+    logits = torch.randn(3, vocab) * 1.5
+    params = SamplingParams(temperature=1.0)
+    p = probabilities(logits.clone(), params)
+    seq = type("S", (), {"params": params})()
+    tiled = logits.repeat(n, 1)
+    drafts = Drafts([seq] * n, [(2, 5)] * n, list(range(0, 3 * n, 3)), [])
+    outs = verify(tiled, drafts)
+    first = [0] * vocab
+    second = [0] * vocab
+    for toks in outs:
+        first[toks[0]] += 1
+        if toks[0] == 2:
+            second[toks[1]] += 1
+    # 7 degrees of freedom: P(chi2 > 24.3) = 0.001.
+    assert _chi_square(first, p[0].tolist()) < 24.3, first
+    assert _chi_square(second, p[1].tolist()) < 24.3, second
+    assert sum(second) > 300  # the conditional had samples enough to mean something
+
+    top2 = SamplingParams(temperature=1.0, top_k=2)
+    q = probabilities(logits.clone(), top2)
+    assert int((q > 0).sum(dim=-1).max()) == 2
+    assert torch.allclose(q.sum(dim=-1), torch.ones(3))
+    seq2 = type("S", (), {"params": top2})()
+    outs = verify(logits.repeat(200, 1), Drafts([seq2] * 200, [(2, 5)] * 200,
+                                                 list(range(0, 600, 3)), []))
+    allowed = [set(torch.nonzero(q[j]).flatten().tolist()) for j in range(3)]
+    for toks in outs:
+        for j, t in enumerate(toks):
+            assert t in allowed[j]
+
+
+# -- the engine on a model whose next token is known: drafts are always right ----------------------
+
+
+class Successor:
+    """Next token = (input token + 1) % vocab: an ascending prompt makes prompt lookup exact.
+    The model stores each token in the KV cache and reads it back through the page table, so a
+    row that reads the wrong slot gives a wrong token."""
+
+    def __init__(self, vocab: int = 64) -> None:
+        self.info = ModelInfo(name="successor", architecture="Successor", num_layers=1,
+                              num_kv_heads=1, head_dim=1, vocab_size=vocab, max_model_len=4096,
+                              dtype=torch.float64, eos_token_ids=(0,))
+        self.rows_per_step: list[int] = []
+
+    def forward(self, batch: ForwardBatch, k_caches, v_caches) -> torch.Tensor:
+        flat = k_caches[0].view(-1)
+        flat.index_copy_(0, batch.slot_mapping, batch.input_ids.to(torch.float64))
+        rows = batch.logits_indices
+        page_size = k_caches[0].shape[1]
+        seq_of_row = torch.searchsorted(batch.query_start_loc, rows, right=True) - 1
+        pos = batch.positions[rows]
+        slots = batch.page_table[seq_of_row, pos // page_size] * page_size + pos % page_size
+        last = flat[slots].to(torch.int64)
+        self.rows_per_step.append(len(rows))
+        logits = torch.zeros(len(rows), self.info.vocab_size)
+        logits[torch.arange(len(rows)), (last + 1) % self.info.vocab_size] = 1.0
+        return logits
+
+
+def test_a_step_emits_several_tokens_and_stops_exactly() -> None:
+    model = Successor()
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=64, **SPEC))
+    prompt = list(range(1, 40)) + [10]  # "10" occurred: propose 11 12 13 14
+    want = [(10 + i) % 64 for i in range(1, 21)]
+    got = run(engine, {"a": (prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))})
+    assert got["a"] == want
+    stats = engine.statistics()
+    assert stats.spec_accepted == stats.spec_proposed > 0
+    assert stats.sample_steps < 10 and stats.sampled_tokens == 20
+    # max_tokens cuts a step's tokens: never more than asked
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=64, **SPEC))
+    got = run(engine, {"b": (prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))})
+    assert got["b"] == want[:3]
+    # a stop token among the kept drafts ends the output there, with the stop token last
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=64, **SPEC))
+    engine.add_request("c", prompt, SamplingParams(temperature=0, max_tokens=20,
+                                                   stop_token_ids=(14,), ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [t for o in outs for t in o.token_ids] == [11, 12, 13, 14]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_token_id == 14
+    assert engine.num_request_pages == 0
+
+
+def test_opt_out_and_batch_off_switch() -> None:
+    model = Successor()
+    prompt = list(range(1, 40)) + [10]
+    opted_out = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, speculative=False)
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=64, **SPEC))
+    assert run(engine, {"a": (prompt, opted_out)})["a"] == [(10 + i) % 64 for i in range(1, 13)]
+    assert engine.statistics().spec_proposed == 0
+    # three running sequences with speculative_max_batch=2: nobody proposes
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=64, speculative="ngram",
+                                        speculative_max_batch=2))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    run(engine, {i: (prompt, params) for i in range(3)})
+    assert engine.statistics().spec_proposed == 0
+    # off by default
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=64))
+    run(engine, {"a": (prompt, params)})
+    assert engine.statistics().spec_proposed == 0
+
+
+def test_requests_that_cannot_speculate_decode_one_token_a_step() -> None:
+    engine = Engine(Successor(), EngineConfig(page_size=4, num_pages=64, **SPEC))
+    prompt = list(range(1, 40)) + [10]
+    for params in (SamplingParams(temperature=0, max_tokens=6, logprobs=1),
+                   SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.2),
+                   SamplingParams(temperature=1.0, max_tokens=6, seed=3),
+                   SamplingParams(temperature=0, max_tokens=6, min_tokens=2)):
+        run(engine, {"x": (prompt, params)})
+    assert engine.statistics().spec_proposed == 0
+
+
+def test_drafts_never_preempt_and_pages_come_back() -> None:
+    """A pool one sequence fills: drafts take only free pages, preemption still makes progress,
+    and every page comes back."""
+    model = Successor()
+    prompt = list(range(1, 30)) + [5]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=16, max_running=3,
+                                        max_batched_tokens=16, **SPEC))
+    got = run(engine, {i: (prompt, params) for i in range(3)}, stagger=1)
+    assert all(v == [(5 + i) % 64 for i in range(1, 31)] for v in got.values())
+    assert engine.statistics().spec_accepted > 0
+
+
+# -- greedy exactness on real checkpoints ---------------------------------------------------------
+
+
+def _grounded_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat their own spans (as a rewrite of a passage does), so lookups hit."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        passage = torch.randint(3, 1000, (int(torch.randint(8, 30, (1,), generator=g)),),
+                                generator=g).tolist()
+        out.append(passage + passage[: len(passage) // 2])
+    return out
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_greedy_ids_identical_with_and_without_speculation(tiny_checkpoint_factory, arch) -> None:
+    """Alone, batched with preemption in a tiny pool, and after a prefix-cache hit: the same ids
+    with speculation as without, on each family."""
+    model = load_model(tiny_checkpoint_factory(arch))
+    ps = _grounded_prompts(6, seed=1)
+    reqs = {i: (p, GREEDY) for i, p in enumerate(ps)}
+    base = EngineConfig(page_size=4, num_pages=200, max_running=8, max_batched_tokens=32)
+    plain = run(Engine(model, base), reqs)
+    spec_engine = Engine(model, EngineConfig(page_size=4, num_pages=200, max_running=8,
+                                             max_batched_tokens=32, **SPEC))
+    assert run(spec_engine, reqs) == plain
+    stats = spec_engine.statistics()
+    assert stats.spec_proposed > 0 and stats.spec_accepted > 0, stats
+    # again on the same engine: every prompt now starts from the prefix cache
+    hits = stats.prefix_hits
+    assert run(spec_engine, reqs) == plain
+    assert spec_engine.statistics().prefix_hits > hits
+    # a pool too small for all of them: preemptions, recomputation, drafts on recomputed KV
+    tiny = Engine(model, EngineConfig(page_size=4, num_pages=24, max_running=6,
+                                      max_batched_tokens=16, **SPEC))
+    assert run(tiny, reqs, stagger=1) == plain
+
+
+DEFAULT_GGUF = default_model_file(default_cache_dir())
+
+
+@pytest.mark.skipif(not DEFAULT_GGUF.exists(), reason="the default model is not fetched")
+def test_greedy_ids_identical_on_the_default_model() -> None:
+    """SmolLM2-135M Q4_1 on the CPU kernels: the verify rows go through the one-call decode step
+    with more rows than a plain decode (another matmul kernel past one row)."""
+    model = load_model(DEFAULT_GGUF)
+    passage = list(range(1000, 1060))
+    prompt = passage + passage[:20]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = run(Engine(model, EngineConfig()), {0: (prompt, params)})
+    engine = Engine(model, EngineConfig(**SPEC))
+    assert run(engine, {0: (prompt, params)}) == plain
+    assert engine.statistics().spec_accepted > 0
+
+
+def test_sampled_speculation_runs_to_the_end_with_its_pages_back(tiny_checkpoint) -> None:
+    model = load_model(tiny_checkpoint)
+    ps = _grounded_prompts(4, seed=2)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True)
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=64, **SPEC))
+    got = run(engine, {i: (p, params) for i, p in enumerate(ps)})
+    assert all(len(v) == 24 for v in got.values())
+    assert engine.statistics().sampled_tokens == 96
+
+
+def test_chi_square_bound_is_meaningful() -> None:
+    """The bound above rejects a wrong distribution: the draft's token forced every time."""
+    counts = [0, 0, 6000, 0, 0, 0, 0, 0]
+    assert _chi_square(counts, [1 / 8] * 8) > 24.3
+    assert math.isfinite(_chi_square([750] * 8, [1 / 8] * 8))
+
+
+async def test_front_end_takes_multi_token_outputs_within_credits(autojump_clock) -> None:
+    """Through the runtime with one credit per choice and a slow reader: every token arrives, in
+    fewer outputs than tokens, and /metrics' speculative families are fed."""
+    import trio
+
+    from trio_infer.metrics import Metrics
+    from trio_infer.runtime.client import open_engine
+    from trio_infer.settings import Settings
+
+    engine = Engine(Successor(), EngineConfig(page_size=4, num_pages=64, **SPEC))
+    prompt = list(range(1, 40)) + [10]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    metrics = Metrics(speculative=True)
+    settings = Settings(channel_capacity=1, stall_timeout_s=60.0, speculative="ngram")
+    async with open_engine(settings, engine=engine, metrics=metrics) as ae:
+        outs = []
+        async with ae.generate(prompt, [params, params]) as stream:
+            async for batch in stream:
+                outs.extend(batch)
+                await trio.sleep(1)  # a slow reader (autojump clock): credits run out
+        for choice in (0, 1):
+            mine = [o for o in outs if o.uid[1] == choice]
+            assert [t for o in mine for t in o.token_ids] == [(10 + i) % 64 for i in range(1, 21)]
+            assert len(mine) < 20
+            assert mine[-1].finish_reason == "length"
+    assert metrics.spec_proposed_total is not None and metrics.spec_accepted_total is not None
+    assert metrics.spec_accepted_total._value.get() > 0
+    assert metrics.spec_proposed_total._value.get() >= metrics.spec_accepted_total._value.get()
+    assert metrics.tokens_per_step is not None and metrics.tokens_per_step._value.get() > 1
+    assert b"trio_infer_spec_decode_accepted_tokens_total" in metrics.render()
+    assert b"spec_decode" not in Metrics().render()  # a server that does not speculate
+
+
+@pytest.mark.parametrize("value, want", [(None, True), (True, True), (False, False)])
+def test_request_field_speculative_is_honoured(value, want) -> None:
+    from trio_infer.api.plans import ModelLimits, plan_completion
+    from trio_infer.api.protocol import CompletionRequest
+
+    body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 3}
+    if value is not None:
+        body["speculative"] = value
+    plan = plan_completion(CompletionRequest.model_validate(body), None,
+                           ModelLimits(name="m", max_model_len=64, vocab_size=100, max_n=4))
+    assert [p.speculative for p in plan.params] == [want]
+
+
+def test_a_stop_string_counts_the_tokens_up_to_its_own_in_a_multi_token_output() -> None:
+    """The front end folds an output of several tokens one token at a time: a stop string
+    completed by the first token ends the text and the token count there."""
+    from trio_infer.runtime.detokenizer import IncrementalDetokenizer
+    from trio_infer.runtime.stop_strings import StopStringMatcher
+    from trio_infer.runtime.text_stream import ChoiceText
+    from trio_infer.wire import RequestOutput
+
+    class Letters:  # token t is the letter chr(ord("a") + t)
+        def decode(self, ids, **kwargs) -> str:
+            return "".join(chr(ord("a") + t) for t in ids)
+
+        def convert_ids_to_tokens(self, ids):
+            return [chr(ord("a") + t) for t in ids]
+
+    def fold(outs):
+        choice = ChoiceText(0, IncrementalDetokenizer(Letters(), [0]), StopStringMatcher(["c"]))
+        delta = choice.consume(outs)
+        return delta.text, delta.finish_reason, choice.num_tokens
+
+    one_by_one = [RequestOutput((1, 0), [t], None, None, None, 1, i + 1, None)
+                  for i, t in enumerate([1, 2, 3, 4])]
+    at_once = [RequestOutput((1, 0), [1, 2, 3, 4], None, None, None, 1, 4, None)]
+    assert fold(at_once) == fold(one_by_one) == ("b", "stop", 2)

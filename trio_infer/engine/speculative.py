@@ -1,0 +1,224 @@
+"""Speculative decoding by prompt lookup: guess a sequence's next tokens, check them in one step.
+
+At batch 1 on a CPU a decode step reads every weight once for one token; checking a few guessed
+tokens in the same forward costs little more. Prompt lookup guesses for free: summaries,
+rewrites, code edits and retrieval answers copy spans of their prompt, so the tokens that
+followed the latest earlier occurrence of the sequence's last ``n`` tokens are a good guess for
+the ones that come next (longest match first, from ``speculative_ngram`` down to
+``speculative_ngram_min`` tokens: a one-token match guesses wrong about half the time on the
+grounded workload, a two-token one about a fifth; docs/benchmarks.md).
+
+The engine verifies a sequence's draft ``d_1..d_k`` as ``k + 1`` one-token rows of the decode
+group of the step (positions ``start .. start + k``, each attending to the rows before it: every
+row's key is stored before any row attends), so the verify forward is the same decode step as
+any other: the one-call C step on the CPU kernels. Row ``j`` gives the model's distribution
+after ``d_1..d_j``:
+
+- a greedy sequence keeps the drafts while each is the argmax of its row, then takes the argmax
+  of the first row it disagrees with (or of the last row): exactly the tokens decoding one at a
+  time would pick, as long as the forward gives the same logits for a row whoever shares the
+  step (see docs/architecture.md for where the CPU kernels do);
+- a sampled sequence keeps draft ``d_j`` with probability ``p_j(d_j)`` (the draft is a point
+  mass, so this is the rejection sampling rule ``min(1, p/q)``) and on the first rejection
+  draws from ``p_j`` without ``d_j``, renormalised; if every draft is kept it draws one more
+  token from the last row. The output has the distribution of sampling one token at a time.
+
+Rejected positions' keys and values stay in the sequence's pages and are overwritten by the next
+step; the sequence's ``num_computed`` counts only the kept ones, so the prefix cache records only
+pages of kept tokens.
+
+The off-switch: a step with more running sequences than ``speculative_max_batch`` proposes
+nothing (the batch is already wide: the weights are read once for many tokens), and a sequence
+whose recent acceptance falls below ``speculative_min_acceptance`` stops proposing for a while.
+Whether speculation pays depends on the machine and the kernels, so the engine also measures it
+(``speculative_payoff``, :class:`Payoff`): the seconds per emitted token of its decode steps
+that verified drafts against those that did not, per batch size; when drafting is slower it
+pauses for a while, then measures again.
+Checking a row is not free on a CPU (each row of a step multiplies every weight: measured on
+SmolLM2-135M at one thread, 2 rows cost 1.2x one with int8 activations, 5 rows 3x), so a
+sequence's draft length adapts: one token more after a draft it kept whole (up to
+``speculative_tokens``), one less after a draft it cut (down to 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from trio_infer.engine.sampler import probabilities
+
+if TYPE_CHECKING:
+    from trio_infer.engine.sequence import Sequence
+
+# A sequence whose acceptance average falls below the threshold proposes nothing for this many
+# of its steps, then tries again.
+COOLDOWN_STEPS = 16
+# Weight of the newest verify step in a sequence's running acceptance average.
+_EMA = 0.3
+
+
+class PromptLookup:
+    """One sequence's n-gram index over its own tokens (prompt and output), kept up to date as
+    tokens are appended, and its acceptance record for the off-switch.
+
+    ``_index[m - 1]`` maps each m-gram that has a token after it to the position of that token,
+    for its latest occurrence; the sequence's current last m tokens are indexed only once a token
+    follows them, so a lookup never finds the suffix itself.
+    """
+
+    def __init__(self, max_ngram: int, num_tokens: int, min_acceptance: float,
+                 min_ngram: int = 1) -> None:
+        self.max_ngram = max_ngram
+        self.min_ngram = min(min_ngram, max_ngram)
+        self.num_tokens = num_tokens  # k: tokens proposed at most per step
+        self.min_acceptance = min_acceptance
+        self._length = num_tokens  # the draft length now, adapted by record()
+        self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram)]
+        self._indexed = 0  # positions whose following token is indexed: [0, _indexed)
+        self._acceptance = 1.0
+        self._cooldown = 0
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        """Up to ``min(k, limit)`` tokens guessed to follow ``token_ids``; [] when no n-gram of
+        the suffix occurred before, or while the off-switch holds this sequence."""
+        self._extend(token_ids)
+        if self._cooldown:
+            self._cooldown -= 1
+            return []
+        limit = min(limit, self._length)
+        if limit <= 0:
+            return []
+        n = len(token_ids)
+        for m in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
+            nxt = self._index[m - 1].get(tuple(token_ids[n - m :]))
+            if nxt is not None:
+                return token_ids[nxt : nxt + limit]
+        return []
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """A verify step kept ``accepted`` of ``proposed`` drafts: adapt the draft length, update
+        the running average and switch proposals off for a while when it falls below the
+        threshold."""
+        if accepted == proposed:
+            self._length = min(self.num_tokens, self._length + 1)
+        else:
+            self._length = max(1, self._length - 1)
+        self._acceptance += _EMA * (accepted / proposed - self._acceptance)
+        if self._acceptance < self.min_acceptance:
+            self._cooldown = COOLDOWN_STEPS
+            self._acceptance = self.min_acceptance  # one more try after the cooldown
+
+    def _extend(self, token_ids: list[int]) -> None:
+        # Index every m-gram ending at position i - 1, followed by token i, for the new i.
+        for i in range(max(self._indexed, 1), len(token_ids)):
+            for m in range(1, min(self.max_ngram, i) + 1):
+                self._index[m - 1][tuple(token_ids[i - m : i])] = i
+        self._indexed = max(self._indexed, len(token_ids))
+
+
+class Payoff:
+    """Whether verify steps emit tokens faster than plain decode steps, measured.
+
+    The engine reports every decode-only step (no prefill chunk in it): how many sequences, its
+    forward-and-sample seconds, the tokens it emitted, and whether it verified drafts. Each kind
+    keeps a running average of seconds per token per batch size; once both have
+    ``min_samples`` steps and drafting is the slower, :meth:`allows` says no for ``pause``
+    steps, and the drafting average starts again (the machine's load may have changed).
+    """
+
+    def __init__(self, min_samples: int = 16, pause: int = 64, weight: float = 0.1) -> None:
+        self.min_samples = min_samples
+        self.pause = pause
+        self.weight = weight
+        self._avg: dict[tuple[bool, int], float] = {}  # (drafted, batch) -> seconds per token
+        self._count: dict[tuple[bool, int], int] = {}
+        self._paused = 0
+        self.pauses = 0  # times drafting was found slower, since start
+
+    def allows(self) -> bool:
+        """Whether this step may draft (counts the paused steps down)."""
+        if self._paused:
+            self._paused -= 1
+            return False
+        return True
+
+    def record(self, batch: int, seconds: float, tokens: int, drafted: bool) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        key = (drafted, batch)
+        per_token = seconds / tokens
+        n = self._count.get(key, 0)
+        avg = self._avg.get(key, per_token)
+        self._avg[key] = avg + (self.weight if n else 1.0) * (per_token - avg)
+        self._count[key] = n + 1
+        plain = (False, batch)
+        if (drafted and n + 1 >= self.min_samples and self._count.get(plain, 0) >= self.min_samples
+                and self._avg[key] > self._avg[plain]):
+            self._paused = self.pause
+            self.pauses += 1
+            self._count[key] = 0
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """The step's verifying sequences, for the model runner: their drafts and where their rows
+    sit in the step's logits, and where each plain sampling sequence's one row sits.
+
+    Sequence ``i`` of ``seqs`` has ``1 + len(tokens[i])`` consecutive rows from ``rows[i]``;
+    ``plain_rows[j]`` is the row of the engine's ``j``-th plain sampling sequence.
+    """
+
+    seqs: list[Sequence]
+    tokens: list[tuple[int, ...]]
+    rows: list[int]
+    plain_rows: list[int]
+
+
+def verify(logits: torch.Tensor, drafts: Drafts) -> list[list[int]]:
+    """The tokens each verifying sequence emits this step: its kept drafts, then the model's
+    token at the first position it did not keep (or after the last draft). ``logits``: the
+    step's sampling rows, fp32."""
+    greedy = [i for i, seq in enumerate(drafts.seqs) if seq.params.greedy]
+    best: dict[int, list[int]] = {}
+    if greedy:
+        idx = [r for i in greedy for r in range(drafts.rows[i], drafts.rows[i] + len(drafts.tokens[i]) + 1)]
+        flat = logits[torch.tensor(idx, dtype=torch.int64, device=logits.device)].argmax(dim=-1).tolist()
+        at = 0
+        for i in greedy:
+            n = len(drafts.tokens[i]) + 1
+            best[i], at = flat[at : at + n], at + n
+    out: list[list[int]] = []
+    for i, seq in enumerate(drafts.seqs):
+        draft = drafts.tokens[i]
+        if i in best:
+            picks = best[i]
+            a = 0
+            while a < len(draft) and draft[a] == picks[a]:
+                a += 1
+            out.append([*draft[:a], picks[a]])
+        else:
+            rows = logits[drafts.rows[i] : drafts.rows[i] + len(draft) + 1]
+            out.append(_rejection_sample(probabilities(rows, seq.params), draft))
+    return out
+
+
+def _rejection_sample(probs: torch.Tensor, draft: tuple[int, ...]) -> list[int]:
+    """probs: [k + 1, V], the target distribution at each position (the draft is a point mass)."""
+    kept: list[int] = []
+    uniforms = torch.rand(len(draft), dtype=torch.float64).tolist()
+    for j, token in enumerate(draft):
+        p = probs[j]
+        if uniforms[j] < float(p[token]):
+            kept.append(token)
+            continue
+        residual = p.clone()
+        residual[token] = 0.0
+        if float(residual.sum()) <= 0.0:  # p was (numerically) all on the draft token
+            kept.append(int(p.argmax()))
+        else:
+            kept.append(int(torch.multinomial(residual, 1)))
+        return kept
+    kept.append(int(torch.multinomial(probs[len(draft)], 1)))
+    return kept
