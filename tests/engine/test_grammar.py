@@ -112,8 +112,8 @@ def test_preemption_keeps_the_grammar_state_consistent(model, grammars, tokenize
     preempted = []
     schedule = tight_engine.scheduler.schedule
 
-    def watch():  # type: ignore[no-untyped-def]
-        plan = schedule()
+    def watch(*args):  # type: ignore[no-untyped-def]
+        plan = schedule(*args)
         if plan is not None:
             preempted.extend(seq.uid for seq in plan.preempted)
         return plan
