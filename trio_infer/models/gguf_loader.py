@@ -127,7 +127,7 @@ class GGUFCheckpoint:
         meta = GGUFMetadata.open(path)
         fields = meta.fields
         arch = fields.get("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
+        if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
             raise GGUFError(
                 f"unsupported GGUF architecture {arch!r} in {path}; "
                 f"supported: {', '.join(GGUF_ARCHITECTURES)}"
