@@ -277,6 +277,19 @@ async def test_a_stream_under_the_queue_time_limit_streams_once_scheduled(tokeni
         assert all_zero(app)
 
 
+async def test_a_held_stream_past_its_deadline_before_it_starts_is_504(tokenizer, autojump_clock) -> None:
+    app = make_app(tokenizer, max_queue_time_s=10)
+    async with running(app) as client:
+        StepGate(app).hold()
+        with trio.fail_after(60):
+            t0 = trio.current_time()
+            r = await client.post("/v1/completions", json=completion(stream=True, timeout=2, **LONG))
+            assert trio.current_time() - t0 == pytest.approx(2)
+        assert r.status_code == 504 and (await r.get_json())["error"]["code"] == "timeout"
+        await wait_all_tasks_blocked()
+        assert all_zero(app)
+
+
 async def test_a_held_stream_dropped_before_its_body_leaves_nothing(tokenizer, autojump_clock) -> None:
     """With the queue-time limit the session opens in the handler (the status waits for the
     first scheduling). A client gone between the handler's return and the first body byte drops

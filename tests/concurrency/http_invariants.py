@@ -39,6 +39,21 @@ def check_http_all(report: HttpReport) -> None:
                       who=f"HTTP request #{log.owner}'s session {log.request_id}")
     for index, rec in enumerate(report.records):
         check_http_client(report, index, rec)
+        check_http_deadline(report, index, rec)
+
+
+def check_http_deadline(report: HttpReport, index: int, rec: HttpRecord) -> None:
+    """A request with a ``timeout``: each of its sessions ended in the worker no later than the
+    session's opening + the timeout (invariant 8 of the engine suite, through HTTP)."""
+    timeout, e = rec.request.timeout, report.engine
+    if timeout is None:
+        return
+    for log in sessions_of(report, index):
+        t0 = log.entered.time
+        late = {u: e.end_event[u].time for u in log.uids
+                if u in e.end_event and e.end_event[u].time > t0 + timeout + 1e-6}
+        assert not late, (f"HTTP request #{index}: timeout {timeout} from t={t0}, but its "
+                          f"sequences ended in the worker at {late}")
 
 
 def sessions_of(report: HttpReport, index: int) -> list[SessionLog]:
@@ -106,6 +121,10 @@ def _allowed_errors(report: HttpReport, rec: HttpRecord, index: int) -> set[str]
         allowed.add("queue_full")
     if report.engine.stats.failed_steps:
         allowed.add("engine_error")
+    if rec.request.timeout is not None:
+        allowed.add("timeout")  # check_http_deadline checked when
+    if sc.max_queue_time_s is not None:
+        allowed.add("queue_time")
     # A stall is explained by the session's log: check_session verified it against the reads.
     if any(isinstance(log.error, RequestStalled) for log in sessions_of(report, index)):
         assert rec.max_gap >= sc.stall_timeout_s, (
@@ -118,7 +137,8 @@ def _allowed_errors(report: HttpReport, rec: HttpRecord, index: int) -> set[str]
 
 def _check_error_status(report: HttpReport, index: int, who: str, rec: HttpRecord) -> None:
     err = _error(who, rec.body)
-    status = {"service_unavailable": 503, "queue_full": 429, "engine_error": 500}
+    status = {"service_unavailable": 503, "queue_full": 429, "engine_error": 500, "timeout": 504,
+              "queue_time": 429}
     allowed = _allowed_errors(report, rec, index)
     assert err["code"] in allowed and status.get(err["code"]) == rec.status, (
         f"{who}: answered {rec.status} {err} (allowed: {sorted(allowed)}; "

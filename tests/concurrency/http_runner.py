@@ -209,7 +209,8 @@ class _App:
         ))
         settings = scenario_settings(channel_capacity=sc.channel_capacity,
                                      stall_timeout_s=sc.stall_timeout_s,
-                                     max_waiting=sc.max_waiting, served_model_name=HTTP_MODEL)
+                                     max_waiting=sc.max_waiting, served_model_name=HTTP_MODEL,
+                                     max_queue_time_s=sc.max_queue_time_s)
         self.app = create_app(settings, loaded=(self.engine, CharTokenizer()))
         self.tracker = AsgiTracker(self.app.asgi_app, self.engine)
         self.app.asgi_app = self.tracker  # type: ignore[method-assign]

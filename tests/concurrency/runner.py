@@ -187,6 +187,15 @@ class TappedStream:
         self._log.finishes.append((self._tap.probe.now(), index))
         self._stream.finish(index)
 
+    async def admitted(self) -> None:
+        """What a held stream waits for (``GenerationStream.admitted``); an error there is the
+        session's end, as from a read."""
+        try:
+            await self._stream.admitted()
+        except EngineError as exc:
+            self._log.ended, self._log.error = self._tap.probe.now(), exc
+            raise
+
 
 class SessionTap:
     """Wraps the front end's session entry point and keeps a :class:`SessionLog` per session. An

@@ -220,10 +220,16 @@ class HttpRequest:
     arrival: float = 0.0
     ticks: int = 0
     client: Client = Client()  # "cancel" = disconnect k ticks after sending the request
+    priority: int = 0
+    timeout: float | None = None  # the request's 'timeout' field
 
     def body(self) -> dict:
         body: dict = {"model": HTTP_MODEL, "n": self.n, "temperature": 0,
                       "ignore_eos": self.ignore_eos, "stream": self.stream}
+        if self.priority:
+            body["priority"] = self.priority
+        if self.timeout is not None:
+            body["timeout"] = self.timeout
         if self.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": self.message}]
         else:
@@ -255,6 +261,7 @@ class HttpScenario:
     drain_at: float | None = None  # trio_infer.app.drain(app, drain_grace) at this time
     drain_grace: float = 0.0
     sched_seed: int = 0
+    max_queue_time_s: float | None = None  # streams then get their status once scheduled
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,8 @@ def http_requests(draw: st.DrawFn, shape: EngineShape) -> HttpRequest:
         arrival=float(draw(st.integers(0, 6))),
         ticks=draw(st.integers(0, 30)),
         client=client,
+        priority=sometimes(draw, st.integers(-1, 2), 0, one_in=2),
+        timeout=sometimes(draw, st.integers(1, 20).map(lambda k: k / 2), None, one_in=4),
     )
 
 
@@ -225,4 +227,5 @@ def http_scenarios(draw: st.DrawFn, max_requests: int = 8) -> HttpScenario:
         drain_at=None if drain is None else float(drain),
         drain_grace=float(draw(st.integers(0, 5))) if drain is not None else 0.0,
         sched_seed=draw(st.integers(0, 2**16)),
+        max_queue_time_s=sometimes(draw, st.integers(1, 10).map(float), None, one_in=4),
     )

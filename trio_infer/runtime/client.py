@@ -24,8 +24,9 @@ Overload (docs/lifecycle.md, "Overload and deadlines"): a request that would tak
 queue past ``max_waiting`` sequences or ``max_waiting_tokens`` prompt tokens is refused at once
 (:class:`EngineOverloaded`, 429); one the worker has not scheduled ``max_queue_time_s`` after
 its arrival is closed with the same error (it never started its prefill); one whose deadline
-(``timeout_s``) passes is closed with :class:`RequestTimeout`. All three carry a
-``Retry-After``-style figure or a reason, and all the clocks are one: the receive loop waits for
+(``timeout_s``) passes is closed with :class:`RequestTimeout`. A refusal carries the seconds to
+retry after, from the measured drain rate (``Router.retry_after``). The clocks are one: the
+receive loop waits for
 the next frame inside a cancel scope whose deadline is the earliest of every session's stall,
 queue-time and request deadline, so a request ends at its deadline whatever its own task is
 doing (reading, writing to a slow client, or nothing), and its abort is queued at once.
