@@ -19,8 +19,10 @@ alone under its own restart policy, and meanwhile new requests go to the others.
 healthy while at least one worker is; with none, requests get 503 as with one worker down.
 The affinity table forgets a restarted worker (its prefix cache is empty).
 
-**Admission.** ``max_waiting`` bounds the group's waiting sequences in all, as it bounds one
-worker's (the chosen worker's own check passes whenever the group's does).
+**Admission.** The queue bounds (``max_waiting``, ``max_waiting_tokens``) and the queue-time
+limit are each worker's, as with one worker: a request is refused (429, with that worker's
+Retry-After) when even the least loaded serving worker would refuse it; the worker it is routed
+to checks its own bounds again when the request enters.
 
 **Resources.** Each worker gets its share of the threads (``torch_threads``, or its automatic
 value, split as evenly as possible, at least one each); ``kv_cache_mb`` is per worker. The
