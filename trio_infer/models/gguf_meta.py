@@ -119,7 +119,7 @@ class GGUFMetadata:
                     raise _Corrupt(f"{size} bytes is shorter than a GGUF header")
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                 return cls(path, *_parse(mapped, size), mapped)
-            except (_Corrupt, struct.error, ValueError, UnicodeDecodeError) as exc:
+            except (_Corrupt, struct.error, ValueError, OverflowError, UnicodeDecodeError) as exc:
                 raise GGUFError(
                     f"cannot read GGUF file {path} ({size} bytes): it is truncated or corrupt "
                     f"({exc})"
