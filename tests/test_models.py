@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trio_infer.engine.forward_batch import ForwardBatch
-from trio_infer.models import embedded
+from trio_infer.models import synthetic
 from trio_infer.models.base import CausalLM
 from trio_infer.models.embedded import TINY_MODEL_NAME, ensure_tiny_model
 from trio_infer.models.llama import LlamaForCausalLM, build_cos_sin_cache
@@ -330,7 +330,8 @@ def test_tiny_model_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     def must_not_build(*args: object, **kwargs: object) -> Path:
         raise AssertionError("the tiny model was rebuilt")
 
-    monkeypatch.setattr(embedded, "build_random_checkpoint", must_not_build)
+    # embedded.py imports the builder when it builds (synthetic.py is slow to import)
+    monkeypatch.setattr(synthetic, "build_random_checkpoint", must_not_build)
     assert ensure_tiny_model(tmp_path) == path
     assert resolve_model_path(TINY_MODEL_NAME, tmp_path) == path
 
