@@ -4,7 +4,6 @@ sampled verification, and the engine around them (opt-out, off-switch, stops, pa
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch

@@ -192,7 +192,9 @@ class Engine:
     # -- stepping -------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        schedule = self.scheduler.schedule(self._payoff is None or self._payoff.allows())
+        if self._payoff is not None:
+            self.scheduler.drafting = self._payoff.allows()
+        schedule = self.scheduler.schedule()
         if schedule is None:
             return None
         batch, prompt_rows, drafts = self.runner.prepare(schedule)

@@ -36,7 +36,8 @@ Speculative decoding (engine/speculative.py): a running sequence in decode that 
 ``lookup`` may carry a draft of guessed tokens; its item then computes ``1 + len(draft)`` tokens
 (the last sampled one and the draft) and counts among the decodes, one row per token. A draft
 only takes pages the pool has free (or the prefix cache gives up): it never preempts anyone.
-No sequence proposes in a step with more than ``spec_max_batch`` running sequences (0: never).
+No sequence proposes in a step with more than ``spec_max_batch`` running sequences (0: never),
+nor while ``drafting`` is False.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ class Scheduler:
     ) -> None:
         self.pool = pool
         self.spec_max_batch = spec_max_batch
+        # False: no sequence drafts in the next steps (the engine's measured off-switch sets it).
+        self.drafting = True
         self.page_size = page_size
         # max_batched_tokens >= max_running (a decode is one token): EngineConfig checks it.
         self.max_running = max_running
@@ -121,13 +124,12 @@ class Scheduler:
         self._free(seq)
         seq.status = Status.FINISHED
 
-    def schedule(self, speculate: bool = True) -> Schedule | None:
-        """The next step; ``speculate`` False: no sequence drafts in it."""
+    def schedule(self) -> Schedule | None:
         budget = self.max_batched_tokens
         items: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
 
-        propose = speculate and 0 < len(self.running) <= self.spec_max_batch
+        propose = self.drafting and 0 < len(self.running) <= self.spec_max_batch
         i = 0
         while i < len(self.running) and budget:
             seq = self.running[i]
