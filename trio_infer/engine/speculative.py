@@ -35,7 +35,7 @@ Whether speculation pays depends on the machine and the kernels, so the engine a
 that verified drafts against those that did not, per batch size; when drafting is slower it
 pauses for a while, then measures again.
 Checking a row is not free on a CPU (each row of a step multiplies every weight: measured on
-SmolLM2-135M at one thread, 2 rows cost 1.2x one with int8 activations, 5 rows 3x), so a
+SmolLM2-135M at one thread, 2 rows cost 1.36x one with int8 activations, 5 rows 2.8x), so a
 sequence's draft length adapts: one token more after a draft it kept whole (up to
 ``speculative_tokens``), one less after a draft it cut (down to 1).
 """
