@@ -168,10 +168,23 @@ class ResponseEvents:
         """The events of a finished choice's whole text (a non-streamed answer)."""
         text, finish = choice.text, choice.finish_reason or "stop"
         if self.plan.reasoning is None:
-            return parsed_events(self.plan, choice.index, text, finish)
+            return self._whole_content(choice.index, text, finish)
         reasoning, content = ThinkSplit(self.plan.reasoning).feed(text, final=True)
-        events = parsed_events(self.plan, choice.index, content, finish)
+        events = self._whole_content(choice.index, content, finish)
         return [Reasoning(choice.index, reasoning), *events] if reasoning else events
+
+    def _whole_content(self, index: int, text: str, finish: str) -> list[Event]:
+        # A constrained tool answer cut short (max_tokens, the context) is read by the call
+        # scanner the stream uses, so both say the same: the calls begun, their arguments as far
+        # as they got. Parsed whole, an unfinished call would be no call at all, only text.
+        tools = self.plan.tools
+        if tools is not None and finish != "stop":
+            scanner = tools.stream(index)
+            if scanner is not None:
+                events: list[Event] = []
+                self._tool_events({index: scanner}, index, text, finish, events)
+                return events
+        return parsed_events(self.plan, index, text, finish)
 
     def feed(self, deltas: Sequence[ChoiceDelta]) -> list[Event]:
         """The events of one read of the text stream (its deltas, choice by choice)."""
@@ -190,7 +203,7 @@ class ResponseEvents:
                     del think[delta.index]
                 delta = replace(delta, text=content)
             if calls is not None:
-                self._tool_events(calls, delta, events)
+                self._tool_events(calls, delta.index, delta.text, delta.finish_reason, events)
                 continue
             lps = delta.logprobs if self._want_lp else None
             if delta.text or lps or delta.prompt_logprobs is not None:
@@ -199,21 +212,20 @@ class ResponseEvents:
                 events.append(Finish(delta.index, delta.finish_reason))
         return events
 
-    def _tool_events(self, calls: dict[int, CallStream | list[str]], delta: ChoiceDelta,
-                     events: list[Event]) -> None:
-        index, finish = delta.index, delta.finish_reason
+    def _tool_events(self, calls: dict[int, CallStream | list[str]], index: int, text: str,
+                     finish: str | None, events: list[Event]) -> None:
         tools = self.plan.tools
         assert tools is not None
         scanner = calls.get(index)
         if scanner is None:
             scanner = calls[index] = tools.stream(index) or []
         if isinstance(scanner, list):  # held until the end, then parsed whole
-            scanner.append(delta.text)
+            scanner.append(text)
             if finish is not None:
                 del calls[index]
                 events.extend(parsed_events(self.plan, index, "".join(scanner), finish))
             return
-        events.extend(scanner.feed(delta.text))
+        events.extend(scanner.feed(text))
         if finish is not None:
             del calls[index]
             content = scanner.rest()
