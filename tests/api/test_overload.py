@@ -123,7 +123,8 @@ async def test_bad_timeout_and_priority_fields_are_400_naming_them(app, field, v
 
 
 async def test_every_generation_api_takes_timeout_and_priority(app) -> None:  # type: ignore[no-untyped-def]
-    extra = {"timeout": 30, "priority": -2}
+    # (and the speculative decoding opt-out, an extension of every generation API too)
+    extra = {"timeout": 30, "priority": -2, "speculative": False}
     for path, body in (("/v1/completions", completion(max_tokens=2)),
                        ("/v1/chat/completions", chat_body(max_tokens=2)),
                        ("/v1/responses", {"model": "fake", "input": "hi", "max_output_tokens": 2}),

@@ -116,6 +116,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: Annotated[int, Field(ge=0, lt=2**31)] | None = None
     metadata: Metadata | None = None  # accepted, changes nothing
     service_tier: Literal["auto", "standard_only"] | None = None  # accepted, changes nothing
-    # Overload extensions, as on chat (api/protocol.py).
+    # Overload extensions and the speculative decoding opt-out, as on chat (api/protocol.py).
     timeout: Timeout | None = None
     priority: Priority | None = None
+    speculative: bool | None = None

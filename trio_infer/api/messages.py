@@ -207,7 +207,7 @@ def plan_messages(req: MessagesRequest, tokenizer: Any, limits: ModelLimits,
     body["max_completion_tokens"] = req.max_tokens
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
-    body.update(sampling_fields(req, ("temperature", "top_p", "top_k", "timeout", "priority")))
+    body.update(sampling_fields(req, ("temperature", "top_p", "top_k", "timeout", "priority", "speculative")))
     # max_tokens is a cap, as Anthropic and llama-server have it: clients send a large default
     # (Claude Code: 32000) whatever the model's context; the answer ends with "max_tokens" there.
     plan = plan_as_chat(body, tokenizer, limits, _renamer(origins), reasoning, thinking_token_budget,

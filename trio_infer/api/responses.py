@@ -192,7 +192,7 @@ def _renamer(origins: list[str]):  # type: ignore[no-untyped-def]
 
 
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed",
-            "parallel_tool_calls", "timeout", "priority")
+            "parallel_tool_calls", "timeout", "priority", "speculative")
 
 
 def plan_responses(req: ResponsesRequest, tokenizer: Any, limits: ModelLimits, reasoning: str = "auto",

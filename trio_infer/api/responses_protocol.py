@@ -139,6 +139,7 @@ class ResponsesRequest(_Strict):
     presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
-    # Overload extensions, as on chat (api/protocol.py).
+    # Overload extensions and the speculative decoding opt-out, as on chat (api/protocol.py).
     timeout: Timeout | None = None
     priority: Priority | None = None
+    speculative: bool | None = None
