@@ -16,6 +16,17 @@ def params(priority: int, max_tokens: int = 4) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, priority=priority)
 
 
+def run_to_the_end(engine: Engine) -> list[object]:
+    """Step ``engine`` until it is idle; the uids it preempted on the way, in order."""
+    preempted: list[object] = []
+    while engine.has_unfinished():
+        plan = engine.schedule()
+        assert plan is not None
+        preempted.extend(seq.uid for seq in plan.schedule.preempted)
+        engine.commit(plan, engine.execute(plan))
+    return preempted
+
+
 def test_waiting_requests_are_admitted_by_priority_then_arrival() -> None:
     engine = Engine(FakeModel(vocab_size=VOCAB), EngineConfig(page_size=4, num_pages=64, max_running=1))
     for uid, priority in (("a", 2), ("b", 0), ("c", 1), ("d", 0)):
@@ -51,12 +62,7 @@ def test_under_kv_pressure_the_lowest_priority_is_preempted_even_if_older() -> N
                                  enable_prefix_cache=False))
     engine.add_request("low", [1, 2, 3], params(1, max_tokens=12))  # older, lower priority
     engine.add_request("high", [4, 5, 6], params(0, max_tokens=12))
-    preempted = []
-    while engine.has_unfinished():
-        plan = engine.schedule()
-        assert plan is not None
-        preempted.extend(seq.uid for seq in plan.schedule.preempted)
-        engine.commit(plan, engine.execute(plan))
+    preempted = run_to_the_end(engine)
     assert preempted and set(preempted) == {"low"}
 
 
@@ -66,12 +72,7 @@ def test_equal_priorities_preempt_the_youngest_as_before() -> None:
                                  enable_prefix_cache=False))
     engine.add_request("old", [1, 2, 3], params(0, max_tokens=12))
     engine.add_request("young", [4, 5, 6], params(0, max_tokens=12))
-    preempted = []
-    while engine.has_unfinished():
-        plan = engine.schedule()
-        assert plan is not None
-        preempted.extend(seq.uid for seq in plan.schedule.preempted)
-        engine.commit(plan, engine.execute(plan))
+    preempted = run_to_the_end(engine)
     assert preempted and set(preempted) == {"young"}
 
 
