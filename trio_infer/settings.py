@@ -247,6 +247,12 @@ class Settings(BaseSettings):
         """The batching engine's configuration these settings ask for."""
         return EngineConfig.from_settings(self)
 
+    def worker_threads(self) -> int:
+        """The batching worker's torch and kernel threads: ``torch_threads``, or with 0 every
+        core but one (left to the event loop; docs/architecture.md). With ``data_parallel``
+        the workers share this many."""
+        return self.torch_threads or max(1, (os.cpu_count() or 2) - 1)
+
 
 @dataclass(frozen=True)
 class Wiring:

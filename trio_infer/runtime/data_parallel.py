@@ -33,7 +33,6 @@ gauges the server exports are the group's sums (``Metrics.shares``); so is the p
 from __future__ import annotations
 
 import dataclasses
-import os
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import AsyncIterator, Sequence
 
@@ -184,9 +183,8 @@ def thread_shares(total: int, n: int) -> list[int]:
 def worker_settings(settings: Settings) -> list[Settings]:
     """Each data-parallel worker's settings: the group's, with its share of the threads."""
     n = settings.data_parallel
-    total = settings.torch_threads or max(1, (os.cpu_count() or 2) - 1)
     return [settings.model_copy(update={"torch_threads": t, "data_parallel": 1})
-            for t in thread_shares(total, n)]
+            for t in thread_shares(settings.worker_threads(), n)]
 
 
 def _process(settings: Settings) -> Connect:

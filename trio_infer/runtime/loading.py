@@ -3,7 +3,6 @@ module imports torch; the tokenizer alone is ``runtime/tokenizer.py``)."""
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -21,8 +20,8 @@ Progress = Callable[[str, "int | None", "int | None"], None]
 
 def configure_torch_threads(settings: Settings) -> int:
     """Pick torch's intra-op thread count deliberately: the event loop needs a core slice too
-    (see docs/architecture.md). 0 means all cores but one."""
-    n = settings.torch_threads or max(1, (os.cpu_count() or 2) - 1)
+    (see docs/architecture.md): ``Settings.worker_threads``."""
+    n = settings.worker_threads()
     torch.set_num_threads(n)
     return n
 
