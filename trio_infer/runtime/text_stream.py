@@ -24,11 +24,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol, Sequence
 
+import msgspec
+
 from trio_infer.runtime.client import AsyncEngine, GenerationStream
 from trio_infer.runtime.detokenizer import IncrementalDetokenizer
 from trio_infer.runtime.stop_strings import StopStringMatcher
-import msgspec
-
 from trio_infer.wire import RequestOutput, SamplingParams, TokenLogprob
 
 
@@ -122,7 +122,10 @@ def _one_token_each(outputs: Sequence[RequestOutput]) -> Sequence[RequestOutput]
     """The outputs with one token each: a step of speculative decoding emits several tokens in
     one output, and a stop string must end the choice (and its token count) at the token that
     completes it, as it does one token a step."""
-    if all(len(out.token_ids) <= 1 for out in outputs):
+    for out in outputs:  # every read goes through here: no generator for the usual case
+        if len(out.token_ids) > 1:
+            break
+    else:
         return outputs
     split: list[RequestOutput] = []
     for out in outputs:
