@@ -6,7 +6,8 @@ with exit status 1 and the reason in the log. It owns SIGTERM/SIGINT, so shutdow
 way the bare ``hypercorn`` command cannot offer: on the first signal ``/health`` and
 new requests answer 503, running requests get ``--shutdown-grace-s`` seconds to finish, then the
 rest end with an error event and ``[DONE]``, then hypercorn closes the connections and the process
-exits 0. A second signal skips the grace period.
+exits 0. A second signal skips the grace period. ``serve --node-rank k`` (k > 0) on another node
+of a ``--tensor-parallel`` group runs only that node's follower ranks (no HTTP server).
 
 Every :class:`~trio_infer.settings.Settings` field is a flag (``--max-running 16``), and the
 ``TRIO_INFER_*`` environment variables still apply underneath the flags.
@@ -139,6 +140,10 @@ def _serve_main(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     settings = _settings(args, list(Settings.model_fields))
+    if settings.node_rank > 0:  # another node of a tensor-parallel group: its ranks, no server
+        from trio_infer.runtime.tp_group import serve_followers
+
+        return serve_followers(settings)
     if settings.api_workers > 1:
         from trio_infer.supervisor import run
 

@@ -203,6 +203,26 @@ class Settings(BaseSettings):
         "the least loaded; runtime/affinity.py) or 'round_robin' (the benchmark's baseline).",
     )
 
+    tensor_parallel: int = Field(
+        1, ge=1, description="Ranks of one batching worker under torch.distributed (gloo on the "
+        "CPU, NCCL on CUDA): each holds a slice of every layer (its kv heads, intermediate rows, "
+        "vocabulary rows) and its own heads' KV cache; rank 0 schedules and broadcasts each step. "
+        "At most the model's kv heads; a rank that dies ends and restarts the whole group "
+        "(runtime/tp_group.py). Not with data_parallel > 1 or api_workers > 1.",
+    )
+    dist_init_addr: str | None = Field(
+        None, description="With tensor_parallel > 1: host:port of rank 0's TCP rendezvous (node "
+        "0 listens there; the other nodes connect). Unset: a free loopback port (one node only).",
+    )
+    nnodes: int = Field(
+        1, ge=1, description="With tensor_parallel > 1: the nodes the ranks are spread over "
+        "(tensor_parallel / nnodes each; needs dist_init_addr when > 1).",
+    )
+    node_rank: int = Field(
+        0, ge=0, description="This node's number (< nnodes): node 0 runs the server and rank 0; "
+        "another runs only its follower ranks, started again whenever the group ends.",
+    )
+
     # -- server -------------------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = 8000
@@ -241,7 +261,28 @@ class Settings(BaseSettings):
             # supervisor to route, which it does not.
             raise ValueError("data_parallel > 1 cannot be combined with api_workers > 1: use one "
                              "or the other")
+        self._check_tensor_parallel()
         return self
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel
+        if tp > 1 and (self.data_parallel > 1 or self.api_workers > 1):
+            raise ValueError("tensor_parallel > 1 cannot be combined with data_parallel > 1 or "
+                             "api_workers > 1 (not built): use one or the other")
+        if tp > 1 and self.model == "fake":
+            raise ValueError("tensor_parallel > 1 needs a real model, not 'fake'")
+        if self.nnodes > 1 and tp == 1:
+            raise ValueError("nnodes > 1 needs tensor_parallel > 1")
+        if tp % self.nnodes:
+            raise ValueError(f"tensor_parallel {tp} is not a multiple of nnodes {self.nnodes}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr (node 0's host:port)")
+        if self.dist_init_addr is not None:
+            host, sep, port = self.dist_init_addr.rpartition(":")
+            if not (host and sep and port.isdigit() and 0 < int(port) < 65536):
+                raise ValueError(f"dist_init_addr {self.dist_init_addr!r}: expected host:port")
 
     def engine_config(self) -> EngineConfig:
         """The batching engine's configuration these settings ask for."""
@@ -250,7 +291,8 @@ class Settings(BaseSettings):
     def worker_threads(self) -> int:
         """The batching worker's torch and kernel threads: ``torch_threads``, or with 0 every
         core but one (left to the event loop; docs/architecture.md). With ``data_parallel``
-        the workers share this many."""
+        the workers share this many, and so do the ranks of one node with
+        ``tensor_parallel``."""
         return self.torch_threads or max(1, (os.cpu_count() or 2) - 1)
 
 

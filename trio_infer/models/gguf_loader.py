@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from kernels.cpu import PackedWeight
 from trio_infer.models.gguf_meta import GGUFMetadata, TensorInfo
+from trio_infer.models.parallel import ShardError, ShardPlan, block_columns
 from trio_infer.models.paths import GGUFError, find_gguf  # noqa: F401 (re-exported)
 
 # GGUF ``general.architecture`` -> the Hugging Face architecture our model implements.
@@ -173,13 +174,17 @@ class GGUFCheckpoint:
                 for t in self._meta.tensors if t.name != ROPE_FREQS_TENSOR}
 
     def iter_weights(
-        self, desc: str, keep: Container[str] = ()
+        self, desc: str, keep: Container[str] = (), shard: ShardPlan | None = None
     ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
         """Yield ``(hf_name, fp32 tensor)`` for every weight, dequantized one at a time, with a
         progress bar over tensors. The model's ``load_weights`` casts to the serving dtype.
 
         A weight whose Hugging Face name is in ``keep`` comes as a :class:`PackedWeight` of its
-        raw blocks instead (its type must be one the CPU kernels read)."""
+        raw blocks instead (its type must be one the CPU kernels read).
+
+        With ``shard`` every weight comes cut to that tensor-parallel rank's slice
+        (:meth:`ShardPlan.take`); kept blocks of a row-parallel weight are cut between blocks
+        before they are packed (a packed row cannot be cut)."""
         permute = self.gguf_architecture == "llama"
         num_heads = int(self.config.num_attention_heads)
         num_kv_heads = int(self.config.num_key_value_heads)
@@ -190,7 +195,8 @@ class GGUFCheckpoint:
                 name = gguf_tensor_name(tensor.name)
                 weight: torch.Tensor | PackedWeight
                 if name in keep:
-                    weight = _blocks(self.path, tensor)
+                    weight = _blocks(self.path, tensor,
+                                     shard.columns(name) if shard is not None else None)
                 else:
                     weight = _dequantize(self._meta, tensor)
                 heads = 0
@@ -203,6 +209,8 @@ class GGUFCheckpoint:
                                           weight.in_features)
                 elif heads:
                     weight = unpermute_qk(weight, heads)
+                if shard is not None:
+                    weight = shard.take(name, weight)
                 yield name, weight
                 progress.update(1)
 
@@ -311,9 +319,11 @@ def _eos_token_ids(fields: dict[str, Any]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def _blocks(path: Path, tensor: TensorInfo) -> PackedWeight:
+def _blocks(path: Path, tensor: TensorInfo,
+            columns: tuple[int, int] | None = None) -> PackedWeight:
     """One GGUF tensor packed for the kernels (:meth:`PackedWeight.from_blocks`), its blocks read
-    from the file into a buffer of its own (freed once packed), not through the memory map."""
+    from the file into a buffer of its own (freed once packed), not through the memory map.
+    ``columns``: only these input columns (a tensor-parallel rank's), cut between blocks."""
     fmt = tensor.tensor_type.name
     rows, cols = reversed(tensor.shape)
     raw = np.empty(tensor.n_bytes, dtype=np.uint8)
@@ -323,8 +333,18 @@ def _blocks(path: Path, tensor: TensorInfo) -> PackedWeight:
             raise GGUFError(f"{path}: {tensor.name} ends past the end of the file")
     if raw.size % rows:
         raise GGUFError(f"{tensor.name}: {raw.size} bytes of {fmt} for {rows} rows")
+    blocks = raw.reshape(rows, -1)
+    if columns is not None and columns != (0, cols):
+        start, stop = columns
+        row_bytes = blocks.shape[1]
+        block = block_columns(fmt)
+        if start % block or stop % block or (start * row_bytes) % cols:
+            raise ShardError(f"{tensor.name}: {fmt} blocks cannot be cut at columns "
+                             f"{start}..{stop} of {cols}")
+        blocks = blocks[:, start * row_bytes // cols: stop * row_bytes // cols]
+        cols = stop - start
     try:
-        return PackedWeight.from_blocks(fmt, raw.reshape(rows, -1), cols)
+        return PackedWeight.from_blocks(fmt, blocks, cols)
     except ValueError as exc:
         raise GGUFError(f"{tensor.name}: {exc}") from exc
 

@@ -18,6 +18,13 @@ later column-parallel split can cut each part separately instead of the concaten
 A linear layer (and the embedding) may keep its weight as GGUF blocks (``packed``: module name ->
 ggml format, decided by the loader): a :class:`~kernels.cpu.PackedWeight` read by the CPU
 kernels, 4 or 8 bits a weight instead of 32, with the same fp32 math.
+
+With ``parallel`` (:class:`~trio_infer.models.parallel.Collectives`) the model is one rank's
+slice of a tensor-parallel group: its modules have that rank's heads, intermediate rows and
+vocabulary rows (:class:`~trio_infer.models.parallel.ShardPlan`), o_proj and down_proj end in an
+all-reduce, the embedding is a masked lookup plus an all-reduce and the logits are gathered.
+Every rank runs the op-by-op path: the one-call C decode step cannot call a collective between
+its layers. Without ``parallel`` none of this code runs.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from kernels.cpu import (
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.models.attention import paged_attention
 from trio_infer.models.base import ModelInfo
+from trio_infer.models.parallel import Collectives
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -285,8 +293,10 @@ class Attention(nn.Module):
     def __init__(
         self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device,
         formats: tuple[Any, Any] = (None, None),  # see Linear's fmt
+        parallel: Collectives | None = None,
     ) -> None:
         super().__init__()
+        self.parallel = parallel  # o_proj is row parallel: its partial sums are all-reduced
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -323,15 +333,18 @@ class Attention(nn.Module):
         q, k = ops.rotary_store(q, k, v, batch.positions, cos_sin_cache, k_cache, v_cache,
                                 batch.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, batch, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
 class MLP(nn.Module):
     def __init__(
         self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device,
         formats: tuple[Any, Any] = (None, None),  # see Linear's fmt
+        parallel: Collectives | None = None,
     ) -> None:
         super().__init__()
+        self.parallel = parallel  # down_proj is row parallel: its partial sums are all-reduced
         size = spec.intermediate_size
         self.gate_up_proj = Linear(
             spec.hidden_size, (size, size), spec.mlp_bias, dtype, device, formats[0]
@@ -339,13 +352,15 @@ class MLP(nn.Module):
         self.down_proj = Linear(size, (spec.hidden_size,), spec.mlp_bias, dtype, device, formats[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
     def __init__(
         self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device,
         packed: Mapping[str, str | tuple[str, ...]], prefix: str,
+        parallel: Collectives | None = None,
     ) -> None:
         super().__init__()
 
@@ -353,9 +368,10 @@ class DecoderLayer(nn.Module):
             return packed.get(f"{prefix}.{name}")
 
         self.self_attn = Attention(
-            spec, dtype, device, (fmt("self_attn.qkv_proj"), fmt("self_attn.o_proj"))
+            spec, dtype, device, (fmt("self_attn.qkv_proj"), fmt("self_attn.o_proj")), parallel
         )
-        self.mlp = MLP(spec, dtype, device, (fmt("mlp.gate_up_proj"), fmt("mlp.down_proj")))
+        self.mlp = MLP(spec, dtype, device, (fmt("mlp.gate_up_proj"), fmt("mlp.down_proj")),
+                       parallel)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
 
@@ -389,11 +405,12 @@ class LlamaModel(nn.Module):
     def __init__(
         self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device,
         packed: Mapping[str, str | tuple[str, ...]],
+        parallel: Collectives | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = _table(spec, dtype, device, packed.get("model.embed_tokens"))
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, dtype, device, packed, f"model.layers.{i}")
+            DecoderLayer(spec, dtype, device, packed, f"model.layers.{i}", parallel)
             for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
@@ -420,7 +437,8 @@ class LlamaForCausalLM(nn.Module):
     Build it with :func:`trio_infer.models.loader.load_model`; the constructor only allocates
     (uninitialised) parameters, :meth:`load_weights` fills them. ``packed`` maps module names
     (``model.layers.0.self_attn.qkv_proj``, ``model.embed_tokens``, ``lm_head``) to the GGUF
-    block format their weight stays in; a tied lm_head follows the embedding.
+    block format their weight stays in; a tied lm_head follows the embedding. ``parallel``: this
+    model is one rank's slice (see the module docstring); ``spec`` stays the whole model's.
     """
 
     def __init__(
@@ -431,20 +449,23 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device,
         packed: Mapping[str, str | tuple[str, ...]] | None = None,
         activations: str = "exact",
+        parallel: Collectives | None = None,
     ) -> None:
         super().__init__()
         packed = packed or {}
         self.spec = spec
         self.info = info
+        self.parallel = parallel
         dtype = info.dtype
-        self.model = LlamaModel(spec, dtype, device, packed)
+        local = spec if parallel is None else parallel.plan.local_spec(spec)
+        self.model = LlamaModel(local, dtype, device, packed, parallel)
         if spec.tie_word_embeddings:
             self.lm_head = nn.Module()
             self.lm_head.packed = self.model.embed_tokens.packed
             if self.lm_head.packed is None:
                 self.lm_head.weight = self.model.embed_tokens.weight
         else:
-            self.lm_head = _table(spec, dtype, device, packed.get("lm_head"))
+            self.lm_head = _table(local, dtype, device, packed.get("lm_head"))
         if activations != "exact":
             for module in self.modules():
                 if getattr(module, "packed", None) is not None:
@@ -454,7 +475,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
         # Pure decode steps on the CPU kernels run as one C call (kernels.ops.decode_step),
         # built on first use per page size; False turns it off (tests compare both paths).
-        self.fused_decode = True
+        self.fused_decode = parallel is None
         self._decode_steps: dict[tuple[int, torch.dtype], DecodeStep | None] = {}
 
     @torch.inference_mode()
@@ -474,7 +495,11 @@ class LlamaForCausalLM(nn.Module):
             return step(batch.input_ids, batch.positions, batch.slot_mapping, batch.page_table,
                         batch.seq_lens, batch.max_seq_len, k_caches, v_caches,
                         torch.get_num_threads())
-        hidden = ops.embedding(batch.input_ids, _table_weight(self.model.embed_tokens))
+        if self.parallel is None:
+            hidden = ops.embedding(batch.input_ids, _table_weight(self.model.embed_tokens))
+        else:
+            hidden = self.parallel.embed(batch.input_ids, _table_weight(self.model.embed_tokens),
+                                         ops.embedding)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
             hidden, residual = layer(
@@ -483,7 +508,8 @@ class LlamaForCausalLM(nn.Module):
         rows = batch.logits_indices
         hidden = hidden[rows]
         hidden = self.model.norm(hidden, residual[rows] if residual is not None else None)[0]
-        return ops.linear(hidden, _table_weight(self.lm_head)).float()
+        logits = ops.linear(hidden, _table_weight(self.lm_head)).float()
+        return logits if self.parallel is None else self.parallel.gather_logits(logits)
 
     @property
     def one_call_decode(self) -> bool:

@@ -27,6 +27,7 @@ from trio_infer.models.default_model import (
 )
 from trio_infer.models.embedded import SERVED_NAME_FILE
 from trio_infer.models.gguf_loader import GGUFCheckpoint, load_gguf_tokenizer
+from trio_infer.models.parallel import Collectives, ShardPlan
 from trio_infer.models.paths import find_gguf, resolve_model_path  # noqa: F401 (re-exported)
 from trio_infer.models.llama import (
     SUPPORTED_ARCHITECTURES,
@@ -62,6 +63,8 @@ def load_model(
     served_name: str | None = None,
     keep_blocks: bool | None = None,
     activations: str = "exact",
+    shard: tuple[int, int] | None = None,
+    group: object = None,
 ) -> CausalLM:
     """Build the model of the checkpoint at ``path`` on ``device`` and load its weights.
 
@@ -77,6 +80,12 @@ def load_model(
     folder's ``served_name`` file, else the hub id for a folder inside the Hugging Face cache, else
     the folder name, or for a GGUF file its known name or file stem (see
     :func:`default_served_name`).
+
+    ``shard``: ``(rank, size)`` of a tensor-parallel group (torch.distributed already
+    initialised; ``group`` None is the default group): only that rank's slice of each weight is
+    read into the model (:class:`~trio_infer.models.parallel.ShardPlan`), and its forward joins
+    the group's collectives. Raises :class:`~trio_infer.models.parallel.ShardError` when the
+    model cannot be split so.
     """
     path = Path(path)
     device = torch.device(device)
@@ -117,12 +126,21 @@ def load_model(
             kept |= {f"{parent}.{p}.weight" for p in parts} if parts else {f"{module}.weight"}
         if keep_blocks:
             _warn_widened(checkpoint, kept)
-        weights = partial(checkpoint.iter_weights, keep=kept)
+    parallel = None
+    if shard is not None:
+        parallel = Collectives(ShardPlan.build(spec, shard[0], shard[1], packed), group)
+    if gguf_file is not None:
+        weights = partial(checkpoint.iter_weights, keep=kept,
+                          shard=parallel.plan if parallel is not None else None)
+    elif parallel is not None:
+        weights = partial(_sharded, weights, parallel.plan)
     info = ModelInfo(
         name=served_name or default_served_name(path),
         architecture=architecture,
         num_layers=spec.num_layers,
-        num_kv_heads=spec.num_kv_heads,
+        # Each rank's KV cache holds its own heads only.
+        num_kv_heads=spec.num_kv_heads if parallel is None else parallel.plan.local_spec(
+            spec).num_kv_heads,
         head_dim=spec.head_dim,
         vocab_size=spec.vocab_size,
         max_model_len=spec.max_position_embeddings,
@@ -132,9 +150,16 @@ def load_model(
     cos_sin_cache = build_cos_sin_cache(
         config, spec.head_dim, spec.max_position_embeddings, device, freq_factors
     )
-    model = LlamaForCausalLM(spec, info, cos_sin_cache, device, packed, activations)
+    model = LlamaForCausalLM(spec, info, cos_sin_cache, device, packed, activations, parallel)
     model.load_weights(weights(f"Loading {info.name}"))
     return model.eval()
+
+
+def _sharded(weights: Callable[[str], Iterator[tuple[str, torch.Tensor]]], plan: ShardPlan,
+             desc: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors cut to one rank's slices, read one at a time as before."""
+    for name, tensor in weights(desc):
+        yield name, plan.take(name, tensor)
 
 
 # A fused module of LlamaForCausalLM -> the checkpoint projections it is made of.

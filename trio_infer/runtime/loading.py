@@ -34,8 +34,11 @@ def resolve_device(settings: Settings) -> str:
 
 def build_engine(settings: Settings, progress: Progress | None = None) -> Engine:
     """Load the model the settings name into an engine (slow: the worker process does it),
-    telling ``progress`` how far it got."""
+    telling ``progress`` how far it got. With ``tensor_parallel`` > 1 this process becomes rank 0
+    of a group (runtime/tp_group.py): the model is its slice, wrapped to lead the others."""
     report: Progress = progress or (lambda phase, done, total: None)
+    if settings.tensor_parallel > 1:
+        return _build_group_engine(settings, report)
     configure_torch_threads(settings)
     device = resolve_device(settings)
     config = settings.engine_config()
@@ -64,6 +67,40 @@ def build_engine(settings: Settings, progress: Progress | None = None) -> Engine
     report("engine", None, None)
     return Engine(model, config, device=device,
                   grammars=build_grammars(model, lambda: build_tokenizer(settings)))
+
+
+def load_shard(settings: Settings, rank: int, size: int, device: str) -> Any:
+    """Rank ``rank`` of ``size``'s slice of the model the settings name (a follower's whole load;
+    rank 0's through :func:`build_engine`)."""
+    from trio_infer.models.loader import load_model, resolve_model_path
+
+    path = resolve_model_path(settings.model, settings.cache_dir)
+    dtype = None if settings.dtype == "auto" else _DTYPES[settings.dtype]
+    return load_model(path, dtype=dtype, device=device, served_name=settings.served_model_name,
+                      keep_blocks=None if settings.keep_gguf_blocks else False,
+                      activations=settings.activations, shard=(rank, size))
+
+
+def _build_group_engine(settings: Settings, report: Progress) -> Engine:
+    """Rank 0 of a tensor-parallel group: start the followers, load the slice, lead them."""
+    from trio_infer.runtime import tp_group
+
+    layout = tp_group.Layout.of(settings)
+    torch.set_num_threads(tp_group.rank_threads(settings, layout))
+    device = resolve_device(settings)
+
+    def load(rank: int, size: int, rank_device: str) -> Any:
+        with _counting_tensors(report):
+            return load_shard(settings, rank, size, rank_device)
+
+    leader = tp_group.build_leader(settings, layout, load, device)
+    report("engine", None, None)
+    engine = Engine(leader, settings.engine_config(),
+                    device=tp_group.rank_device(device, 0, layout),
+                    grammars=build_grammars(leader, lambda: build_tokenizer(settings)))
+    cache = engine.kv_cache
+    leader.announce_cache(cache.num_pages, cache.page_size, cache.k[0].dtype)
+    return engine
 
 
 def build_grammars(model: Any, load_tokenizer: Callable[[], Any]) -> Any:
