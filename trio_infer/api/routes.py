@@ -148,6 +148,7 @@ def status_body(state: ServerState) -> dict[str, Any]:
         "loading": None if loading is None else {
             "phase": loading.phase, "done": loading.done, "total": loading.total},
         "model": state.limits.name if state.limits is not None else None,
+        "tensor_parallel": state.settings.tensor_parallel,  # ranks of the batching worker
         "time": time.time(),
         "requests": {
             "running": count("requests_running"),
