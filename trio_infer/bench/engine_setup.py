@@ -235,6 +235,31 @@ def build_engine(path: Path, args: argparse.Namespace, workload: list[BenchReque
     return Engine(model, config, device="cpu")
 
 
+def build_group_engine(path: Path, args: argparse.Namespace, workload: list[BenchRequest],
+                       prefix_cache: bool | None, threads: int) -> Any:
+    """Our engine over a ``--tensor-parallel`` group: this process is rank 0 (it starts the
+    follower ranks, runtime/tp_group.py), each rank with its share of ``threads``. The group
+    lives as long as this process."""
+    from trio_infer.engine.engine import Engine
+    from trio_infer.runtime import tp_group
+    from trio_infer.runtime.loading import load_shard
+    from trio_infer.settings import Settings
+
+    settings = Settings(model=str(path), dtype=args.dtype, torch_threads=threads,
+                        keep_gguf_blocks=not args.no_gguf_blocks, activations=args.activations,
+                        tensor_parallel=args.tensor_parallel)
+    layout = tp_group.Layout.of(settings)
+    leader = tp_group.build_leader(
+        settings, layout, lambda rank, size, device: load_shard(settings, rank, size, device),
+        "cpu")
+    tokens = sum(r.prompt_len + r.output_len for r in workload)
+    config = engine_config(args, tokens, kv_bytes_per_token(leader.info), prefix_cache)
+    engine = Engine(leader, config, device="cpu")
+    cache = engine.kv_cache
+    leader.announce_cache(cache.num_pages, cache.page_size, cache.k[0].dtype)
+    return engine
+
+
 def loadavg() -> float:
     """The 1-minute load average: the machine may be shared, and every figure depends on it."""
     try:

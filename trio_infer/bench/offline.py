@@ -18,6 +18,10 @@ engine with it against the same engine (same loaded model) without it, ``--round
 interleaved (the order alternates each round), on the random workload or ``--workload grounded``
 (bench/grounded.py); ``--baseline llama-server-ngram`` adds llama.cpp's server with its own
 n-gram speculation (``--spec-type ngram-simple``) on the same token ids, in the same rounds.
+
+``--tensor-parallel N`` measures our engine over a group of N ranks (runtime/tp_group.py: this
+process is rank 0 and starts the others, each with its share of ``--threads``) against one
+engine with all ``--threads``, ``--rounds`` rounds interleaved (the order alternates).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from trio_infer.bench.engine_setup import (
     DEFAULT_MODEL_ALIASES,
     DTYPES,
     build_engine,
+    build_group_engine,
     is_gguf,
     loadavg,
     model_config,
@@ -138,7 +143,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="k: tokens guessed per step (default: the server's)")
     spec.add_argument("--speculative-max-batch", type=int, default=None,
                       help="the off-switch's batch size (default: the server's)")
-    spec.add_argument("--rounds", type=int, default=2, help="interleaved rounds (--speculative)")
+    spec.add_argument("--rounds", type=int, default=2,
+                      help="interleaved rounds (--speculative, --tensor-parallel)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="ours over N ranks (each with its share of --threads) against one engine "
+                   "with all of them, interleaved rounds (see the module's docstring)")
 
 
 # -- the subcommand ---------------------------------------------------------------------------
@@ -186,6 +195,8 @@ def main(args: argparse.Namespace) -> int:
 
     if args.speculative != "off":
         return run_speculative(path, args, workload, threads)
+    if args.tensor_parallel > 1:
+        return run_tensor_parallel(path, args, workload, threads)
 
     results: dict[str, dict[str, Any]] = {}
     ours_cache = None
@@ -279,6 +290,55 @@ def _report_line(name: str, r: dict[str, Any]) -> None:
         file=sys.stdout,
         flush=True,
     )
+
+
+# -- --tensor-parallel ------------------------------------------------------------------------
+
+
+def run_tensor_parallel(path: Path, args: argparse.Namespace, workload: list, threads: int) -> int:
+    """A group of ``--tensor-parallel`` ranks (``threads`` split over them) against one engine
+    with all ``threads``, each once per round, the order alternating by round."""
+    import torch
+
+    from trio_infer.runtime.data_parallel import thread_shares
+
+    if args.baseline:
+        raise SystemExit("error: --tensor-parallel compares against one engine; no --baseline")
+    cache = not args.no_prefix_cache
+    group = build_group_engine(path, args, workload, cache, threads)
+    one = build_engine(path, args, workload, cache)
+    name = f"tp{args.tensor_parallel}"
+    share = thread_shares(threads, args.tensor_parallel)[0]
+    runs: dict[str, list[dict[str, Any]]] = {name: [], "one-worker": []}
+    engines = {name: (group, share), "one-worker": (one, threads)}
+    for round_ in range(args.rounds):
+        order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
+        for system in order:
+            engine, n = engines[system]
+            torch.set_num_threads(n)
+            before = loadavg()
+            result = run_engine(engine, workload, args.ignore_eos)
+            result["loadavg_1m"] = [before, loadavg()]
+            runs[system].append(result)
+            _report_line(f"{system} (round {round_ + 1}, {n} threads a rank)", result)
+    print()
+    medians = {s: statistics.median(r["output_tok_s"] for r in rs) for s, rs in runs.items()}
+    stats.print_table(
+        ["system", "threads a rank", "out tok/s (median)", "rounds", f"{name}/one-worker"],
+        [[name, share, medians[name], args.rounds, medians[name] / medians["one-worker"]],
+         ["one-worker", threads, medians["one-worker"], args.rounds, 1.0]],
+    )
+    if args.output_json:
+        stats.write_json(args.output_json, {
+            "runs": runs, "ratio": medians[name] / medians["one-worker"],
+            "config": {"model": str(path), "tensor_parallel": args.tensor_parallel,
+                       "threads": threads, "num_prompts": args.num_prompts,
+                       "input_len": str(args.input_len), "output_len": str(args.output_len),
+                       "seed": args.seed, "rounds": args.rounds},
+            "environment": stats.environment(),
+        })
+        print(f"wrote {args.output_json}")
+    return 0
 
 
 # -- --speculative ----------------------------------------------------------------------------

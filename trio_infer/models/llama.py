@@ -533,9 +533,10 @@ class LlamaForCausalLM(nn.Module):
         return self._decode_steps[key]
 
     def _decoder_weights(self) -> DecoderWeights | None:
-        """The model for the one-call decode step; None unless every linear is in blocks."""
+        """The model for the one-call decode step; None unless every linear is in blocks (and
+        the model is whole: the C step cannot call a tensor-parallel collective)."""
         lm_head = _table_weight(self.lm_head)
-        if not isinstance(lm_head, PackedWeight):
+        if self.parallel is not None or not isinstance(lm_head, PackedWeight):
             return None
         layers = []
         for layer in self.model.layers:

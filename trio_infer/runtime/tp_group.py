@@ -107,10 +107,9 @@ class GroupLeader:
     a group. A collective that fails (a follower died or hung) ends this process: a group with a
     rank missing cannot serve, and the front end restarts the whole group."""
 
-    def __init__(self, model: Any, control: Any, followers: Followers, size: int) -> None:
+    def __init__(self, model: Any, control: Any, followers: Followers) -> None:
         self.model = model
         self.info = model.info
-        self.tensor_parallel = size
         self._control = control
         self._followers = followers
 
@@ -120,7 +119,10 @@ class GroupLeader:
 
     def forward(self, batch: ForwardBatch, k_caches: list[torch.Tensor],
                 v_caches: list[torch.Tensor]) -> torch.Tensor:
-        self._broadcast(("step", batch))
+        # On CUDA the batch travels through the CPU: a pickled CUDA tensor would be rebuilt on
+        # rank 0's GPU index in every follower.
+        self._broadcast(("step", batch if batch.input_ids.device.type == "cpu"
+                         else _batch_to(batch, "cpu")))
         try:
             return self.model.forward(batch, k_caches, v_caches)
         except RuntimeError as exc:
@@ -225,7 +227,7 @@ def build_leader(settings: Settings, layout: Layout, load: Any, device: str) -> 
     watch.joining()
     control = join_group(0, layout, rank_device(device, 0, layout))
     log.info("tensor-parallel group of %d ranks joined at %s", layout.size, layout.init_addr)
-    return GroupLeader(model, control, followers, layout.size)
+    return GroupLeader(model, control, followers)
 
 
 def follow(model: Any, control: Any, device: str) -> None:
@@ -248,14 +250,15 @@ def follow(model: Any, control: Any, device: str) -> None:
                             info.head_dim, dtype, device)
         elif kind == "step":
             assert cache is not None, "a step before the KV cache"
-            batch = payload
-            if device != "cpu":
-                batch = dataclasses.replace(batch, **{
-                    f.name: getattr(batch, f.name).to(device)
-                    for f in dataclasses.fields(batch)
-                    if isinstance(getattr(batch, f.name), torch.Tensor)})
+            batch = payload if device == "cpu" else _batch_to(payload, device)
             with torch.inference_mode():
                 model.forward(batch, cache.k, cache.v)
+
+
+def _batch_to(batch: ForwardBatch, device: str) -> ForwardBatch:
+    return dataclasses.replace(batch, **{
+        f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
+        if isinstance(getattr(batch, f.name), torch.Tensor)})
 
 
 def serve_followers(settings: Settings) -> int:
