@@ -21,7 +21,9 @@ n-gram speculation (``--spec-type ngram-simple``) on the same token ids, in the 
 
 ``--tensor-parallel N`` measures our engine over a group of N ranks (runtime/tp_group.py: this
 process is rank 0 and starts the others, each with its share of ``--threads``) against one
-engine with all ``--threads``, ``--rounds`` rounds interleaved (the order alternates).
+engine with all ``--threads``, ``--rounds`` rounds interleaved (the order alternates); and
+against the same one engine without its one-call C decode step (``one-worker-op-by-op``: the
+path every rank of a group runs), which separates what the group costs from what that costs.
 """
 
 from __future__ import annotations
@@ -309,13 +311,17 @@ def run_tensor_parallel(path: Path, args: argparse.Namespace, workload: list, th
     one = build_engine(path, args, workload, cache)
     name = f"tp{args.tensor_parallel}"
     share = thread_shares(threads, args.tensor_parallel)[0]
-    runs: dict[str, list[dict[str, Any]]] = {name: [], "one-worker": []}
-    engines = {name: (group, share), "one-worker": (one, threads)}
+    runs: dict[str, list[dict[str, Any]]] = {name: [], "one-worker": [],
+                                             "one-worker-op-by-op": []}
+    engines = {name: (group, share), "one-worker": (one, threads),
+               "one-worker-op-by-op": (one, threads)}
     for round_ in range(args.rounds):
         order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
         for system in order:
             engine, n = engines[system]
             torch.set_num_threads(n)
+            if engine is one:
+                one.model.fused_decode = system == "one-worker"
             before = loadavg()
             result = run_engine(engine, workload, args.ignore_eos)
             result["loadavg_1m"] = [before, loadavg()]
@@ -324,13 +330,14 @@ def run_tensor_parallel(path: Path, args: argparse.Namespace, workload: list, th
     print()
     medians = {s: statistics.median(r["output_tok_s"] for r in rs) for s, rs in runs.items()}
     stats.print_table(
-        ["system", "threads a rank", "out tok/s (median)", "rounds", f"{name}/one-worker"],
-        [[name, share, medians[name], args.rounds, medians[name] / medians["one-worker"]],
-         ["one-worker", threads, medians["one-worker"], args.rounds, 1.0]],
+        ["system", "threads a rank", "out tok/s (median)", "rounds", "this/one-worker"],
+        [[s, share if s == name else threads, medians[s], args.rounds,
+          medians[s] / medians["one-worker"]] for s in runs],
     )
     if args.output_json:
         stats.write_json(args.output_json, {
             "runs": runs, "ratio": medians[name] / medians["one-worker"],
+            "ratio_op_by_op": medians[name] / medians["one-worker-op-by-op"],
             "config": {"model": str(path), "tensor_parallel": args.tensor_parallel,
                        "threads": threads, "num_prompts": args.num_prompts,
                        "input_len": str(args.input_len), "output_len": str(args.output_len),
