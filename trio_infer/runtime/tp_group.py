@@ -28,6 +28,7 @@ its follower ranks (:func:`serve_followers`), starting them again whenever the g
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -125,7 +126,10 @@ class GroupLeader:
                          else _batch_to(batch, "cpu")))
         try:
             return self.model.forward(batch, k_caches, v_caches)
-        except RuntimeError as exc:
+        except Exception as exc:
+            # A failed collective, or any error that left this rank's collectives out of step
+            # with the others': the group cannot go on (one worker fails only the step's
+            # requests; a group restarts).
             _group_failed(exc)
             raise
 
@@ -134,7 +138,7 @@ class GroupLeader:
 
         try:
             dist.broadcast_object_list([message], src=0, group=self._control)
-        except RuntimeError as exc:
+        except Exception as exc:
             _group_failed(exc)
 
 
@@ -174,17 +178,24 @@ class Followers:
 
 class LeaderWatch:
     """Rank 0's view of its followers: one that exits before the group is joined is the load's
-    failure (:meth:`joining` raises); one that exits after ends rank 0 (:func:`_group_failed`)."""
+    failure (:meth:`joining` raises); one that exits after ends rank 0 (:func:`_group_failed`),
+    unless rank 0 itself is exiting (its followers then follow it out)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._joining = False
+        self._exiting = False
         self._dead: dict[int, int] = {}
+        atexit.register(self._exit)
+
+    def _exit(self) -> None:
+        with self._lock:
+            self._exiting = True
 
     def on_exit(self, rank: int, status: int) -> None:
         with self._lock:
             self._dead[rank] = status
-            joining = self._joining
+            joining = self._joining and not self._exiting
         if joining:
             log.critical("tensor-parallel rank %d exited with status %d", rank, status)
             _group_failed(RuntimeError(f"rank {rank} exited"))
