@@ -120,7 +120,9 @@ class Settings(BaseSettings):
         "or an error event; none by default."
     )
     torch_threads: int = Field(
-        0, ge=0, description="torch intra-op threads; 0 = leave one core to the event loop."
+        0, ge=0, description="torch intra-op threads of the batching worker; 0 = every core. "
+        "A decode step too short for a second thread to pay runs on one whatever this says "
+        "(models/llama.py step_threads), which leaves the other cores to the event loop."
     )
     omp_wait_policy: Literal["passive", "active", "inherit"] = Field(
         "passive",
@@ -290,10 +292,11 @@ class Settings(BaseSettings):
 
     def worker_threads(self) -> int:
         """The batching worker's torch and kernel threads: ``torch_threads``, or with 0 every
-        core but one (left to the event loop; docs/architecture.md). With ``data_parallel``
-        the workers share this many, and so do the ranks of one node with
-        ``tensor_parallel``."""
-        return self.torch_threads or max(1, (os.cpu_count() or 2) - 1)
+        core. Narrow decode steps (a small model at a small batch) use one of them, leaving the
+        rest to the event loop, whose share is a few percent of a core (docs/architecture.md).
+        With ``data_parallel`` the workers share this many, and so do the ranks of one node
+        with ``tensor_parallel``."""
+        return self.torch_threads or (os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)

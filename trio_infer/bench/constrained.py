@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a checkpoint folder or .gguf file instead of --shape")
     p.add_argument("--cache-dir", type=Path, default=None)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = cores - 1")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = every core")
     p.add_argument("--num-prompts", type=int, default=32, help="the batch: every request at once")
     p.add_argument("--input-len", type=parse_range, default=parse_range("64:128"), metavar="MIN:MAX")
     p.add_argument("--max-tokens", type=int, default=192, help="cap of each constrained document")

@@ -96,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=0,
-        help="torch intra-op threads for every system; 0 = the server's default (cores - 1)",
+        help="torch intra-op threads for every system; 0 = the server's default (every core)",
     )
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=parse_range, default=parse_range("32:512"), metavar="MIN:MAX")

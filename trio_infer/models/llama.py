@@ -60,6 +60,22 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 # computed at load time is exact. "dynamic" and "longrope" change with the context length.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
+# A one-call decode step whose rows times weight bytes come to less than this runs on one
+# thread, whatever the worker's count: its ops are so short (tens of microseconds for a
+# 135M model at batch 1) that the barrier after each, with OpenMP's passive waits, costs more
+# than a second thread gains. Measured end to end on 2 cores (docs/benchmarks.md): SmolLM2-135M
+# Q4_1 (98 MB of linears) at batch 1 was 0.68x as fast on two threads as on one; at batch 8
+# 1.19x as fast, at 32 1.39x. 512 MB puts the switch at batch 6 for that model and runs a
+# 1 GB model on every thread from batch 1.
+SERIAL_STEP_BYTES = 512 * 2**20
+
+
+def step_threads(rows: int, weight_bytes: int, threads: int) -> int:
+    """The threads a one-call decode step of ``rows`` rows over ``weight_bytes`` of linears
+    runs on, out of ``threads``: one below :data:`SERIAL_STEP_BYTES` of work, else all.
+    The kernels split every op by output rows, so the logits do not depend on the count."""
+    return 1 if rows * weight_bytes < SERIAL_STEP_BYTES else threads
+
 # Checkpoint projection -> (fused parameter, index of its part in the fused output).
 _FUSED_PARTS: dict[str, tuple[str, int]] = {
     "q_proj": ("qkv_proj", 0),
@@ -477,6 +493,7 @@ class LlamaForCausalLM(nn.Module):
         # built on first use per page size; False turns it off (tests compare both paths).
         self.fused_decode = parallel is None
         self._decode_steps: dict[tuple[int, torch.dtype], DecodeStep | None] = {}
+        self._step_bytes = 0  # the one-call step's linears, for step_threads
 
     @torch.inference_mode()
     def forward(
@@ -492,9 +509,9 @@ class LlamaForCausalLM(nn.Module):
         """
         step = self._decode_step(batch, k_caches[0]) if self.fused_decode else None
         if step is not None:
+            threads = step_threads(batch.num_tokens, self._step_bytes, torch.get_num_threads())
             return step(batch.input_ids, batch.positions, batch.slot_mapping, batch.page_table,
-                        batch.seq_lens, batch.max_seq_len, k_caches, v_caches,
-                        torch.get_num_threads())
+                        batch.seq_lens, batch.max_seq_len, k_caches, v_caches, threads)
         if self.parallel is None:
             hidden = ops.embedding(batch.input_ids, _table_weight(self.model.embed_tokens))
         else:
@@ -539,17 +556,20 @@ class LlamaForCausalLM(nn.Module):
         if self.parallel is not None or not isinstance(lm_head, PackedWeight):
             return None
         layers = []
+        step_bytes = lm_head.nbytes
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if any(lin.packed is None for lin in linears):
                 return None
             qkv, o, gate_up, down = ((lin.packed, lin.bias) for lin in linears)
+            step_bytes += sum(lin.packed.nbytes for lin in linears)
             layers.append(DecoderLayerWeights(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                 attn.q_norm.weight if attn.q_norm is not None else None,
                 attn.k_norm.weight if attn.k_norm is not None else None,
                 qkv, o, gate_up, down))
+        self._step_bytes = step_bytes
         return DecoderWeights(
             self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
             self.spec.rms_norm_eps, _table_weight(self.model.embed_tokens), layers,
