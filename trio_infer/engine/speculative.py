@@ -59,43 +59,27 @@ COOLDOWN_STEPS = 16
 _EMA = 0.3
 
 
-class PromptLookup:
-    """One sequence's n-gram index over its own tokens (prompt and output), kept up to date as
-    tokens are appended, and its acceptance record for the off-switch.
+class Proposer:
+    """One sequence's drafting state, whatever guesses its tokens: the draft length now and its
+    acceptance record, behind the off-switches (the same for every way of guessing).
 
-    ``_index[m - 1]`` maps each m-gram that has a token after it to the position of that token,
-    for its latest occurrence; the sequence's current last m tokens are indexed only once a token
-    follows them, so a lookup never finds the suffix itself.
+    The scheduler calls :meth:`propose` for a draft of at most ``limit`` tokens; the engine calls
+    :meth:`record` with what the verify step kept and :meth:`keep` with the sequence's new
+    ``num_computed``; the scheduler calls :meth:`release` when the sequence gives its pages
+    back (finish, abort, preemption). Two implementations: :class:`PromptLookup` (n-gram) and
+    :class:`~trio_infer.engine.draft.DraftProposer` (a draft model).
     """
 
-    def __init__(self, max_ngram: int, num_tokens: int, min_acceptance: float,
-                 min_ngram: int = 1) -> None:
-        self.max_ngram = max_ngram
-        self.min_ngram = min(min_ngram, max_ngram)
+    def __init__(self, num_tokens: int, min_acceptance: float) -> None:
         self.num_tokens = num_tokens  # k: tokens proposed at most per step
         self.min_acceptance = min_acceptance
         self._length = num_tokens  # the draft length now, adapted by record()
-        self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram)]
-        self._indexed = 0  # positions whose following token is indexed: [0, _indexed)
         self._acceptance = 1.0
         self._cooldown = 0
 
     def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        """Up to ``min(k, limit)`` tokens guessed to follow ``token_ids``; [] when no n-gram of
-        the suffix occurred before, or while the off-switch holds this sequence."""
-        self._extend(token_ids)
-        if self._cooldown:
-            self._cooldown -= 1
-            return []
-        limit = min(limit, self._length)
-        if limit <= 0:
-            return []
-        n = len(token_ids)
-        for m in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
-            nxt = self._index[m - 1].get(tuple(token_ids[n - m :]))
-            if nxt is not None:
-                return token_ids[nxt : nxt + limit]
-        return []
+        """Up to ``limit`` tokens guessed to follow ``token_ids`` ([] for none)."""
+        raise NotImplementedError
 
     def record(self, proposed: int, accepted: int) -> None:
         """A verify step kept ``accepted`` of ``proposed`` drafts: adapt the draft length, update
@@ -109,6 +93,53 @@ class PromptLookup:
         if self._acceptance < self.min_acceptance:
             self._cooldown = COOLDOWN_STEPS
             self._acceptance = self.min_acceptance  # one more try after the cooldown
+
+    def keep(self, num_computed: int) -> None:
+        """The sequence's keys and values now stand for its first ``num_computed`` tokens (after
+        a verify step); a proposer with KV of its own rolls back past them."""
+
+    def release(self) -> None:
+        """The sequence gave back its pages (finish, abort, preemption): so does the proposer."""
+
+    def _draft_length(self, limit: int) -> int:
+        """How many tokens to guess this step: 0 while the off-switch holds the sequence (the
+        call counts its cooldown down), else the adapted length, at most ``limit``."""
+        if self._cooldown:
+            self._cooldown -= 1
+            return 0
+        return max(0, min(limit, self._length))
+
+
+class PromptLookup(Proposer):
+    """One sequence's n-gram index over its own tokens (prompt and output), kept up to date as
+    tokens are appended.
+
+    ``_index[m - 1]`` maps each m-gram that has a token after it to the position of that token,
+    for its latest occurrence; the sequence's current last m tokens are indexed only once a token
+    follows them, so a lookup never finds the suffix itself.
+    """
+
+    def __init__(self, max_ngram: int, num_tokens: int, min_acceptance: float,
+                 min_ngram: int = 1) -> None:
+        super().__init__(num_tokens, min_acceptance)
+        self.max_ngram = max_ngram
+        self.min_ngram = min(min_ngram, max_ngram)
+        self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram)]
+        self._indexed = 0  # positions whose following token is indexed: [0, _indexed)
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        """Up to ``min(k, limit)`` tokens guessed to follow ``token_ids``; [] when no n-gram of
+        the suffix occurred before, or while the off-switch holds this sequence."""
+        self._extend(token_ids)
+        limit = self._draft_length(limit)
+        if limit <= 0:
+            return []
+        n = len(token_ids)
+        for m in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
+            nxt = self._index[m - 1].get(tuple(token_ids[n - m :]))
+            if nxt is not None:
+                return token_ids[nxt : nxt + limit]
+        return []
 
     def _extend(self, token_ids: list[int]) -> None:
         # Index every m-gram ending at position i - 1, followed by token i, for the new i.
