@@ -105,9 +105,28 @@ def test_payoff_pauses_drafting_when_it_emits_tokens_slower() -> None:
     # faster drafting (or another batch size, measured apart) never pauses
     for _ in range(8):
         payoff.record(batch=1, seconds=0.015, tokens=3, drafted=True)
-        payoff.record(batch=2, seconds=0.050, tokens=2, drafted=True)
+        payoff.record(batch=2, seconds=0.020, tokens=1, drafted=False)
+        payoff.record(batch=2, seconds=0.030, tokens=2, drafted=True)
         assert payoff.allows()
-    assert payoff.pauses == 1
+    assert payoff.pauses == 1 and payoff.probes == 0
+
+
+def test_payoff_pauses_drafting_to_measure_plain_steps_it_never_saw() -> None:
+    """A draft model drafts at every step: after min_samples drafting steps with no plain one,
+    drafting pauses for min_samples steps, the plain ones are measured, and the verdict follows."""
+    payoff = Payoff(min_samples=4, pause=6)
+    for _ in range(3):
+        payoff.record(batch=1, seconds=0.030, tokens=2, drafted=True)  # 15 ms a token
+        assert payoff.allows()
+    payoff.record(batch=1, seconds=0.030, tokens=2, drafted=True)
+    assert payoff.probes == 1
+    for _ in range(4):
+        assert not payoff.allows()
+        payoff.record(batch=1, seconds=0.010, tokens=1, drafted=False)  # 10 ms a token
+    assert payoff.allows()
+    payoff.record(batch=1, seconds=0.030, tokens=2, drafted=True)  # slower: the verdict
+    assert payoff.pauses == 1 and payoff.probes == 1
+    assert [payoff.allows() for _ in range(7)] == [False] * 6 + [True]
 
 
 def test_engine_with_the_payoff_measurement_gives_the_same_tokens() -> None:

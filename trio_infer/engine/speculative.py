@@ -157,6 +157,9 @@ class Payoff:
     keeps a running average of seconds per token per batch size; once both have
     ``min_samples`` steps and drafting is the slower, :meth:`allows` says no for ``pause``
     steps, and the drafting average starts again (the machine's load may have changed).
+    Drafting that has ``min_samples`` steps while plain decoding at that batch size has fewer
+    (a draft model drafts at every step: no plain step would ever be measured) says no for as
+    many steps as plain decoding lacks, so that both get measured (``probes`` counts those).
     """
 
     def __init__(self, min_samples: int = 16, pause: int = 64, weight: float = 0.1) -> None:
@@ -167,6 +170,7 @@ class Payoff:
         self._count: dict[tuple[bool, int], int] = {}
         self._paused = 0
         self.pauses = 0  # times drafting was found slower, since start
+        self.probes = 0  # times drafting paused so that plain steps could be measured
 
     def allows(self) -> bool:
         """Whether this step may draft (counts the paused steps down)."""
@@ -185,8 +189,13 @@ class Payoff:
         self._avg[key] = avg + (self.weight if n else 1.0) * (per_token - avg)
         self._count[key] = n + 1
         plain = (False, batch)
-        if (drafted and n + 1 >= self.min_samples and self._count.get(plain, 0) >= self.min_samples
-                and self._avg[key] > self._avg[plain]):
+        if not drafted or n + 1 < self.min_samples or self._paused:
+            return
+        measured = self._count.get(plain, 0)
+        if measured < self.min_samples:
+            self._paused = self.min_samples - measured
+            self.probes += 1
+        elif self._avg[key] > self._avg[plain]:
             self._paused = self.pause
             self.pauses += 1
             self._count[key] = 0
