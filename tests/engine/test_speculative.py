@@ -4,6 +4,7 @@ them (opt-out, off-switch, stops, pages and draft pages, counters, settings)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -658,3 +659,22 @@ def test_a_draft_with_another_tokenizer_is_refused_at_load(tiny_checkpoint) -> N
                     speculative_draft_model=str(tiny_checkpoint), torch_threads=1)
     engine = build_engine(same)
     assert engine.statistics().draft_pages_total == engine.statistics().pages_total
+
+
+def test_a_draft_model_with_a_shorter_context_guesses_only_within_it() -> None:
+    class ShortSuccessor(Successor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.info = dataclasses.replace(self.info, max_model_len=12)
+            self.longest = 0
+
+        def forward(self, batch, k_caches, v_caches):
+            self.longest = max(self.longest, int(batch.positions.max()) + 1)
+            return super().forward(batch, k_caches, v_caches)
+
+    draft = ShortSuccessor()
+    engine = Engine(Successor(), EngineConfig(page_size=4, num_pages=64, **DRAFT), draft_model=draft)
+    got = run(engine, {"a": ([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=20,
+                                                          ignore_eos=True))})
+    assert got["a"] == [(4 + i) % 64 for i in range(1, 21)]
+    assert draft.longest == 12 and engine.statistics().spec_accepted > 0

@@ -87,7 +87,8 @@ class DraftModel:
 
     def proposer(self, num_tokens: int, min_acceptance: float) -> DraftProposer:
         """A new sequence's drafting state (no pages yet)."""
-        return DraftProposer(self.pool, self.page_size, num_tokens, min_acceptance)
+        return DraftProposer(self.pool, self.page_size, num_tokens, min_acceptance,
+                             self.model.info.max_model_len)
 
     def run(self, work: list[DraftWork]) -> list[tuple[int, ...]]:
         """Each sequence's draft: catch up and guess the first token in one forward (chunks of
@@ -160,10 +161,11 @@ class DraftProposer(Proposer):
     holds (``num_computed``), and (from the base class) the draft length and off-switch."""
 
     def __init__(self, pool: PagePool, page_size: int, num_tokens: int,
-                 min_acceptance: float) -> None:
+                 min_acceptance: float, max_len: int) -> None:
         super().__init__(num_tokens, min_acceptance)
         self._pool = pool
         self._page_size = page_size
+        self._max_len = max_len  # the draft model's context: it guesses no position past it
         self.pages: list[int] = []
         self.num_computed = 0
         self._ahead = 0  # num_computed after the step in flight, before the verify's rollback
@@ -172,7 +174,7 @@ class DraftProposer(Proposer):
         """``k`` placeholders (:data:`PENDING`: the draft model fills them in ``execute``) with
         the draft pages for them reserved; [] while the off-switch holds the sequence or the
         draft pool has no free pages for it (a draft never takes anyone's pages)."""
-        k = self._draft_length(limit)
+        k = self._draft_length(min(limit, self._max_len + 1 - len(token_ids)))
         if k <= 0:
             return []
         # The draft computes the sequence's tokens and its own first k - 1 guesses.
