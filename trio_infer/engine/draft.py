@@ -43,6 +43,7 @@ import torch
 
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.kv_cache import KVCache, OutOfPages, PagePool, resolve_kv_dtype
+from trio_infer.engine.sequence import Sequence
 from trio_infer.engine.speculative import Drafts, Proposer
 from trio_infer.models.base import CausalLM
 
@@ -203,6 +204,12 @@ class DraftProposer(Proposer):
         self.pages = []
         self.num_computed = 0
         self._ahead = 0
+
+
+def draft_work(seq: Sequence, num_tokens: int) -> DraftWork:
+    """What the draft model reads to guess ``num_tokens`` for ``seq`` this step (schedule time)."""
+    assert isinstance(seq.proposer, DraftProposer)
+    return seq.proposer.work(seq.token_ids, num_tokens)
 
 
 def fill_drafts(batch: ForwardBatch, drafts: Drafts,

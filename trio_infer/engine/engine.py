@@ -37,7 +37,7 @@ from typing import Hashable
 import torch
 
 from trio_infer.engine.config import EngineConfig
-from trio_infer.engine.draft import DraftModel, DraftWork, fill_drafts
+from trio_infer.engine.draft import DraftModel, DraftWork, draft_work, fill_drafts
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.grammar import Grammars, TokenMasks
 from trio_infer.engine.kv_cache import KVCache, PagePool, resolve_kv_dtype
@@ -234,8 +234,7 @@ class Engine:
         sampling = [it.seq for it in schedule.items if it.samples and not it.draft]
         work = None
         if self._draft is not None and drafts is not None:
-            work = [it.seq.proposer.work(it.seq.token_ids, len(it.draft))  # type: ignore[attr-defined]
-                    for it in schedule.items if it.draft]
+            work = [draft_work(it.seq, len(it.draft)) for it in schedule.items if it.draft]
         return StepPlan(schedule, batch, sampling, prompt_rows, drafts, work)
 
     def execute(self, plan: StepPlan) -> SampleResult:
