@@ -8,6 +8,11 @@ the ones that come next (longest match first, from ``speculative_ngram`` down to
 ``speculative_ngram_min`` tokens: a one-token match guesses wrong about half the time on the
 grounded workload, a two-token one about a fifth; docs/benchmarks.md).
 
+What guesses is a sequence's :class:`Proposer`: :class:`PromptLookup` here, or a draft model
+(engine/draft.py: a smaller model with the same vocabulary, in a KV cache of its own, greedy,
+so its draft is a point mass too and everything below holds for it unchanged). Both share the
+off-switches and the adaptive draft length of the base class.
+
 The engine verifies a sequence's draft ``d_1..d_k`` as ``k + 1`` one-token rows of the decode
 group of the step (positions ``start .. start + k``, each attending to the rows before it: every
 row's key is stored before any row attends), so the verify forward is the same decode step as
