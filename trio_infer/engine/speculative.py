@@ -47,6 +47,7 @@ sequence's draft length adapts: one token more after a draft it kept whole (up t
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,7 +65,7 @@ COOLDOWN_STEPS = 16
 _EMA = 0.3
 
 
-class Proposer:
+class Proposer(ABC):
     """One sequence's drafting state, whatever guesses its tokens: the draft length now and its
     acceptance record, behind the off-switches (the same for every way of guessing).
 
@@ -82,9 +83,9 @@ class Proposer:
         self._acceptance = 1.0
         self._cooldown = 0
 
+    @abstractmethod
     def propose(self, token_ids: list[int], limit: int) -> list[int]:
         """Up to ``limit`` tokens guessed to follow ``token_ids`` ([] for none)."""
-        raise NotImplementedError
 
     def record(self, proposed: int, accepted: int) -> None:
         """A verify step kept ``accepted`` of ``proposed`` drafts: adapt the draft length, update
