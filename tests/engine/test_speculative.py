@@ -560,18 +560,39 @@ BENCH_MODELS = default_cache_dir() / "bench-models"
 @pytest.mark.parametrize("draft_file", ["itself", "smollm2-135m-Q4_K_M.gguf"])
 def test_greedy_ids_identical_with_a_draft_on_the_default_model(default_model, draft_file) -> None:
     """SmolLM2-135M Q4_1 drafted by itself, or by its Q4_K_M requantization (where the bench
-    models were made): the same ids as without, and the guesses mostly kept."""
+    models were made): the same ids as without, and the guesses mostly kept; drafted by itself,
+    also after prefix-cache hits and across preemption."""
     if draft_file != "itself" and not (BENCH_MODELS / draft_file).exists():
         pytest.skip(f"{draft_file} is not in {BENCH_MODELS}")
     model = default_model
     draft = model if draft_file == "itself" else load_model(BENCH_MODELS / draft_file)
     prompt = list(range(1000, 1040))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = run(Engine(model, EngineConfig()), {0: (prompt, params), 1: (prompt[:30], params)})
+    reqs = {0: (prompt, params), 1: (prompt[:30], params)}
+    plain = run(Engine(model, EngineConfig()), reqs)
     engine = Engine(model, EngineConfig(**DRAFT), draft_model=draft)
-    assert run(engine, {0: (prompt, params), 1: (prompt[:30], params)}) == plain
+    assert run(engine, reqs) == plain
     stats = engine.statistics()
     assert stats.spec_accepted > stats.spec_proposed // 2, stats
+    if draft is not model:
+        return  # the prefix-cache and preemption paths once (seconds per run on this model)
+    assert run(engine, reqs) == plain  # again: both prompts start from the prefix cache
+    assert engine.statistics().prefix_hits > stats.prefix_hits
+    # 5 pages of 16 tokens for sequences of 64 and 54 tokens: preemption, the draft re-prefills
+    tiny = Engine(model, EngineConfig(num_pages=5, max_batched_tokens=64, **DRAFT),
+                  draft_model=draft)
+    preempted = 0
+    original = tiny.scheduler.schedule
+
+    def watch():
+        nonlocal preempted
+        sched = original()
+        preempted += len(sched.preempted) if sched else 0
+        return sched
+
+    tiny.scheduler.schedule = watch
+    assert run(tiny, reqs, stagger=1) == plain
+    assert preempted > 0
 
 
 class ByPosition:
