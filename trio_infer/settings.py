@@ -69,8 +69,8 @@ class Settings(BaseSettings):
     speculative: SpeculativeMethod = Field(
         _ENGINE.speculative,
         description="Speculative decoding: 'ngram' guesses a sequence's next tokens by prompt "
-        "lookup (the tokens that followed the latest earlier occurrence of its last few tokens) "
-        "and checks them in one forward; greedy output is unchanged, sampled output keeps its "
+        "lookup (the tokens that followed the latest earlier occurrence of its last few tokens), "
+        "'draft' with a smaller model (speculative_draft_model), and checks them in one forward; greedy output is unchanged, sampled output keeps its "
         "distribution (rejection sampling). A request opts out with \"speculative\": false. "
         "'off': one token per step.",
     )
@@ -100,6 +100,17 @@ class Settings(BaseSettings):
         _ENGINE.speculative_payoff, description="Speculative decoding: measure whether steps "
         "that check guesses emit tokens faster than steps that do not, and stop guessing for "
         "64 steps whenever they are slower (then measure again).",
+    )
+    speculative_draft_model: str | None = Field(
+        None, description="With speculative 'draft': the draft model (a .gguf file or a "
+        "checkpoint folder) that guesses the next tokens, run in the batching worker with a KV "
+        "cache of its own; it must have the model's vocabulary (refused at startup otherwise). "
+        "Only with speculative 'draft'.",
+    )
+    speculative_draft_kv_mb: int = Field(
+        _ENGINE.speculative_draft_kv_bytes // 2**20, description="With speculative 'draft': "
+        "memory budget for the draft model's KV page pool; 0: as many pages as the model's "
+        "pool (kv_cache_mb), each sized by the draft model.",
     )
     max_waiting: int = Field(
         256, ge=0, description="Sequences the worker has not scheduled yet before new requests "
@@ -258,6 +269,12 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> "Settings":
         self.engine_config()  # the engine's knobs are checked where they are defined
+        draft = self.speculative_draft_model
+        if (self.speculative == "draft") != (draft is not None):
+            raise ValueError("speculative_draft_model goes with speculative='draft', and "
+                             "speculative='draft' needs speculative_draft_model")
+        if draft is not None and not Path(draft).exists():
+            raise ValueError(f"speculative_draft_model {draft!r}: no such file or folder")
         if self.data_parallel > 1 and self.api_workers > 1:
             # One shared worker serves every front end of api_workers; N of them would need the
             # supervisor to route, which it does not.

@@ -162,6 +162,9 @@ class EngineStatistics(msgspec.Struct, array_like=True):
     sampled_tokens: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    # The draft model's page pool (speculative=draft, engine/draft.py); 0 and 0 without one.
+    draft_pages_used: int = 0
+    draft_pages_total: int = 0
 
 
 # -- front end -> worker ------------------------------------------------------------------------------

@@ -74,6 +74,24 @@ def test_offline_speculative_grounded(tiny_checkpoint: Path, tmp_path: Path) -> 
     assert data["config"]["engine"]["speculative"] == "ngram"
 
 
+def test_offline_speculative_draft(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "draft.json"
+    text = bench("offline", "--model", str(tiny_checkpoint), "--speculative", "draft",
+                 "--speculative-draft-model", str(tiny_checkpoint), "--num-prompts", "2",
+                 "--input-len", "8", "--output-len", "6", "--ignore-eos", "--max-running", "1",
+                 "--rounds", "1", "--output-json", str(out))
+    assert "draft model:" in text
+    assert "output tokens equal with and without speculation (greedy): True" in text
+    data = json.loads(out.read_text())
+    assert data["config"]["engine"]["speculative"] == "draft"
+    assert data["config"]["draft_model"] == str(tiny_checkpoint)
+    assert all(r["spec_proposed"] > 0 for r in data["runs"]["ours-speculative"])
+    proc = subprocess.run([sys.executable, "-m", "trio_infer.bench", "offline", "--model",
+                           str(tiny_checkpoint), "--speculative", "draft"], env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--speculative-draft-model" in proc.stderr
+
+
 def test_offline_profile(tiny_checkpoint: Path, tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     text = bench("offline", "--model", str(tiny_checkpoint), "--profile", "--profile-steps", "4",

@@ -101,6 +101,12 @@ def check_pages_idle(e: Engine) -> None:
     assert used == cached, f"{used} pages in use, the prefix cache holds {cached}"
     shared = sum(1 for r in refs if r > 1)
     assert not shared, f"{shared} idle page(s) with more than the cache's reference"
+    # The draft model's pool (speculative=draft) keeps no cache: every page is free when idle.
+    stats = e.statistics()
+    assert e.num_draft_pages == stats.draft_pages_used == 0, (
+        f"{stats.draft_pages_used} draft-model KV page(s) in use with no request running")
+    held = [s.uid for s in getattr(e, "sequences", ()) if getattr(s.proposer, "pages", None)]
+    assert not held, f"ended sequences still hold draft pages: {held}"
 
 
 # -- invariant 3: ended exactly once -------------------------------------------------------------

@@ -40,11 +40,13 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Hashable, Iterator
 
 import msgspec
+import torch
 import trio
 import trio.testing
 
 from trio_infer.engine.engine import Engine, EngineConfig, RequestOutput, StepPlan
 from trio_infer.engine.grammar import Grammars
+from trio_infer.engine.kv_cache import KVCache
 from trio_infer.engine.sequence import Sequence, Status
 from trio_infer.metrics import Metrics
 from trio_infer.models.fake import FakeModel
@@ -286,8 +288,8 @@ class ProbeEngine(Engine):
     :class:`ProbeFailure`), with the step and the uid in its message."""
 
     def __init__(self, model: FakeModel, config: EngineConfig, fail_steps: frozenset[int],
-                 probe: Probe, capacity: int) -> None:
-        super().__init__(model, config, grammars=_grammars())
+                 probe: Probe, capacity: int, draft_model: FakeModel | None = None) -> None:
+        super().__init__(model, config, grammars=_grammars(), draft_model=draft_model)
         self.probe = probe
         self.fail_steps = fail_steps
         self.capacity = capacity  # channel_capacity: the credits each uid starts with
@@ -381,6 +383,8 @@ class ProbeEngine(Engine):
         for seq in sched.preempted:
             if seq.pages:
                 self.violation(f"step {self.stats.steps}: preempted {seq.uid} kept pages")
+            if getattr(seq.proposer, "pages", None):
+                self.violation(f"step {self.stats.steps}: preempted {seq.uid} kept draft pages")
         self.in_flight = {it.seq.uid for it in sched.items}
         now = self.probe.now()
         for it in sched.items:
@@ -665,8 +669,20 @@ def scenario_settings(**kw) -> Settings:
     return _settings(tuple(sorted(kw.items())))
 
 
+class WrongDraft(FakeModel):
+    """The fake model as a draft model, wrong (its argmax moved to the next id) at every
+    position divisible by 3: drafts are kept, cut and rolled back."""
+
+    def forward(self, batch, k_caches, v_caches):  # type: ignore[no-untyped-def]
+        logits = super().forward(batch, k_caches, v_caches)
+        wrong = (batch.positions[batch.logits_indices] % 3 == 0).nonzero().flatten()
+        logits[wrong] = logits[wrong].roll(1, dims=-1)
+        return logits
+
+
 def build_engine(shape, fail_steps: frozenset[int], probe: Probe, capacity: int,
                  name: str = "fake") -> ProbeEngine:
+    draft = shape.speculative and shape.draft
     return ProbeEngine(
         FakeModel(vocab_size=VOCAB, eos_token_id=EOS, name=name),
         EngineConfig(page_size=shape.page_size, num_pages=shape.num_pages,
@@ -674,13 +690,18 @@ def build_engine(shape, fail_steps: frozenset[int], probe: Probe, capacity: int,
                      enable_prefix_cache=shape.prefix_cache,
                      # Every step may speculate, and no sequence ever stops proposing: the most
                      # drafts (pages reserved ahead, rollbacks) the scenario can have.
-                     speculative="ngram" if shape.speculative else "off",
+                     speculative=("draft" if draft else "ngram") if shape.speculative else "off",
                      speculative_max_batch=max(1, shape.max_running),
-                     speculative_min_acceptance=0.0, speculative_payoff=False),
+                     speculative_min_acceptance=0.0, speculative_payoff=False,
+                     # the draft pool: draft_pages pages of the fake model's (one float64 each)
+                     speculative_draft_kv_bytes=(shape.draft_pages * KVCache.bytes_per_page(
+                         1, shape.page_size, 1, 1, torch.float64) if draft else 0)),
         fail_steps,
         probe,
         capacity,
+        WrongDraft(vocab_size=VOCAB, eos_token_id=EOS) if draft else None,
     )
+
 
 
 async def _main(sc: Scenario, guard: SpinGuard) -> Report:

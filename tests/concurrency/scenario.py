@@ -125,6 +125,11 @@ class EngineShape:
     # Prompt-lookup speculation (engine/speculative.py) in every step: drafts take pages, get
     # rejected (rolled back) and, now and then, kept, so one output carries several tokens.
     speculative: bool = False
+    # With speculative: a draft model guesses instead (engine/draft.py: a second fake model,
+    # wrong at one position in three, in a KV pool of its own of draft_pages pages), so draft
+    # pages are taken, rolled back, freed by preemption, aborts and failed steps.
+    draft: bool = False
+    draft_pages: int = 16
 
     @property
     def max_model_len(self) -> int:

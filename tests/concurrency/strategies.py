@@ -58,8 +58,11 @@ def engine_shapes(draw: st.DrawFn) -> EngineShape:
     max_batched_tokens = max_running + draw(st.integers(0, 24))
     prefix_cache = draw(st.booleans())
     speculative = draw(BOOLS)  # shrinks to off
+    draft = speculative and draw(BOOLS)  # shrinks to prompt lookup
+    # The draft pool: sometimes too small for everyone (a draft only takes free pages).
+    draft_pages = draw(st.integers(1, 2 * num_pages)) if draft else 16
     return EngineShape(page_size, num_pages, max_running, max_batched_tokens, prefix_cache,
-                       speculative)
+                       speculative, draft, draft_pages)
 
 
 ALL_KINDS = ("read_all", "slow", "leave", "stall", "cancel", "finish")

@@ -21,6 +21,8 @@ def report_events(report: Report) -> None:
     event(f"paused a sequence: {'yes' if st.pauses else 'no'}")
     event(f"most steps a sequence was in after the front end ended it: {st.steps_after_end}")
     event(f"speculative: {'multi-token outputs' if st.multi_token_outputs else 'yes' if report.scenario.engine.speculative else 'no'}")
+    if report.scenario.engine.speculative and report.scenario.engine.draft:
+        event("speculative with a draft model")
     if st.failed_steps:
         event("a step raised")
     if report.scenario.shutdown is not None:

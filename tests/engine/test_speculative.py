@@ -1,8 +1,10 @@
-"""Speculative decoding by prompt lookup (engine/speculative.py): the proposals, the greedy and
-sampled verification, and the engine around them (opt-out, off-switch, stops, pages, counters)."""
+"""Speculative decoding (engine/speculative.py) by prompt lookup and with a draft model
+(engine/draft.py): the proposals, the greedy and sampled verification, and the engine around
+them (opt-out, off-switch, stops, pages and draft pages, counters, settings)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -39,6 +41,7 @@ def run(engine: Engine, requests: dict, stagger: int = 0) -> dict[object, list[i
             for out in outs:
                 got[out.uid].extend(out.token_ids)
     assert engine.num_request_pages == 0 and engine.num_requests == 0
+    assert engine.num_draft_pages == 0 == engine.statistics().draft_pages_used
     return got
 
 
@@ -103,9 +106,28 @@ def test_payoff_pauses_drafting_when_it_emits_tokens_slower() -> None:
     # faster drafting (or another batch size, measured apart) never pauses
     for _ in range(8):
         payoff.record(batch=1, seconds=0.015, tokens=3, drafted=True)
-        payoff.record(batch=2, seconds=0.050, tokens=2, drafted=True)
+        payoff.record(batch=2, seconds=0.020, tokens=1, drafted=False)
+        payoff.record(batch=2, seconds=0.030, tokens=2, drafted=True)
         assert payoff.allows()
-    assert payoff.pauses == 1
+    assert payoff.pauses == 1 and payoff.probes == 0
+
+
+def test_payoff_pauses_drafting_to_measure_plain_steps_it_never_saw() -> None:
+    """A draft model drafts at every step: after min_samples drafting steps with no plain one,
+    drafting pauses for min_samples steps, the plain ones are measured, and the verdict follows."""
+    payoff = Payoff(min_samples=4, pause=6)
+    for _ in range(3):
+        payoff.record(batch=1, seconds=0.030, tokens=2, drafted=True)  # 15 ms a token
+        assert payoff.allows()
+    payoff.record(batch=1, seconds=0.030, tokens=2, drafted=True)
+    assert payoff.probes == 1
+    for _ in range(4):
+        assert not payoff.allows()
+        payoff.record(batch=1, seconds=0.010, tokens=1, drafted=False)  # 10 ms a token
+    assert payoff.allows()
+    payoff.record(batch=1, seconds=0.030, tokens=2, drafted=True)  # slower: the verdict
+    assert payoff.pauses == 1 and payoff.probes == 1
+    assert [payoff.allows() for _ in range(7)] == [False] * 6 + [True]
 
 
 def test_engine_with_the_payoff_measurement_gives_the_same_tokens() -> None:
@@ -312,11 +334,18 @@ def test_greedy_ids_identical_with_and_without_speculation(tiny_checkpoint_facto
 DEFAULT_GGUF = default_model_file(default_cache_dir())
 
 
-@pytest.mark.skipif(not DEFAULT_GGUF.exists(), reason="the default model is not fetched")
-def test_greedy_ids_identical_on_the_default_model() -> None:
+@pytest.fixture(scope="module")
+def default_model():
+    """SmolLM2-135M Q4_1, loaded once for this module's tests (seconds per load)."""
+    if not DEFAULT_GGUF.exists():
+        pytest.skip("the default model is not fetched")
+    return load_model(DEFAULT_GGUF)
+
+
+def test_greedy_ids_identical_on_the_default_model(default_model) -> None:
     """SmolLM2-135M Q4_1 on the CPU kernels: the verify rows go through the one-call decode step
     with more rows than a plain decode (another matmul kernel past one row)."""
-    model = load_model(DEFAULT_GGUF)
+    model = default_model
     passage = list(range(1000, 1060))
     prompt = passage + passage[:20]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -413,3 +442,260 @@ def test_a_stop_string_counts_the_tokens_up_to_its_own_in_a_multi_token_output()
                   for i, t in enumerate([1, 2, 3, 4])]
     at_once = [RequestOutput((1, 0), [1, 2, 3, 4], None, None, None, 1, 4, None)]
     assert fold(at_once) == fold(one_by_one) == ("b", "stop", 2)
+
+
+# -- a draft model (engine/draft.py) ---------------------------------------------------------------
+
+DRAFT = dict(SPEC, speculative="draft")
+
+
+class WrongSuccessor(Successor):
+    """A draft for :class:`Successor` that guesses wrong at every position divisible by 3."""
+
+    def forward(self, batch: ForwardBatch, k_caches, v_caches) -> torch.Tensor:
+        logits = super().forward(batch, k_caches, v_caches)
+        wrong = (batch.positions[batch.logits_indices] % 3 == 0).nonzero().flatten()
+        logits[wrong] = logits[wrong].roll(1, dims=-1)
+        return logits
+
+
+def test_a_draft_model_guesses_and_the_engine_keeps_what_the_model_agrees_with() -> None:
+    prompt = [7, 3, 9, 1]  # nothing repeats: prompt lookup would guess nothing
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = [(1 + i) % 64 for i in range(1, 21)]
+    engine = Engine(Successor(), EngineConfig(page_size=4, num_pages=64, **DRAFT),
+                    draft_model=Successor())
+    assert run(engine, {"a": (prompt, params)})["a"] == want
+    stats = engine.statistics()
+    assert stats.spec_accepted == stats.spec_proposed > 0  # a perfect draft
+    assert stats.sample_steps < 10 and stats.draft_pages_total == 64
+    engine = Engine(Successor(), EngineConfig(page_size=4, num_pages=64, **DRAFT),
+                    draft_model=WrongSuccessor())
+    assert run(engine, {"a": (prompt, params)})["a"] == want
+    stats = engine.statistics()
+    assert 0 < stats.spec_accepted < stats.spec_proposed  # guesses cut and rolled back
+
+
+def test_draft_pages_come_back_on_abort_preemption_failure_and_a_dry_draft_pool() -> None:
+    prompt = [7, 3, 9, 1, 5]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    config = EngineConfig(page_size=4, num_pages=64, **DRAFT)
+    # abort while the step that drafts is in flight: commit skips it, its draft pages are back
+    engine = Engine(Successor(), config, draft_model=WrongSuccessor())
+    engine.add_request("a", prompt, params)
+    engine.step()  # prefill, first token
+    plan = engine.schedule()
+    assert plan is not None and plan.draft_work and engine.num_draft_pages > 0
+    engine.abort("a")
+    assert engine.num_draft_pages == 0
+    assert engine.commit(plan, engine.execute(plan)) == []
+    # a step that raises: fail() ends its requests and their draft pages come back
+    engine.add_request("b", prompt, params)
+    engine.step()
+    plan = engine.schedule()
+    assert plan is not None and plan.draft_work
+    assert engine.fail(plan) == ["b"] and engine.num_draft_pages == 0
+    # preemption in a pool one sequence fills: the victim's draft pages go back, the draft
+    # re-prefills on resume, and the ids are the model's
+    model = Successor()
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=12, max_running=3,
+                                        max_batched_tokens=16, **DRAFT),
+                    draft_model=WrongSuccessor())
+    preempted = 0
+    original = engine.scheduler.schedule
+
+    def watch():  # every preempted sequence holds no draft page once the schedule is made
+        nonlocal preempted
+        sched = original()
+        for seq in sched.preempted if sched else ():
+            preempted += 1
+            assert seq.pages == [] and seq.proposer.pages == [] and seq.proposer.num_computed == 0
+        return sched
+
+    engine.scheduler.schedule = watch
+    got = run(engine, {i: ([7, 3, 9, 1 + i], params) for i in range(3)}, stagger=1)
+    assert preempted > 0
+    assert all(v == [(1 + i + j) % 64 for j in range(1, 31)] for i, v in got.items())
+    assert engine.statistics().spec_accepted > 0
+    # a draft pool of one page: drafts only take free pages, the output is the same
+    engine = Engine(Successor(), EngineConfig(page_size=4, num_pages=64, **DRAFT,
+                                              speculative_draft_kv_bytes=1),
+                    draft_model=Successor())
+    assert engine.statistics().draft_pages_total == 1
+    got = run(engine, {i: (prompt, params) for i in range(2)})
+    assert all(v == [(5 + j) % 64 for j in range(1, 31)] for v in got.values())
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_greedy_ids_identical_with_and_without_a_draft_model(tiny_checkpoint_factory, arch) -> None:
+    """Draft = the model itself (every guess right) and a one-layer model with the same vocabulary
+    (mostly wrong guesses): alone, after prefix-cache hits and with preemption, the same ids."""
+    model = load_model(tiny_checkpoint_factory(arch))
+    small = load_model(tiny_checkpoint_factory(arch, num_layers=1, hidden_size=32, num_heads=2,
+                                               num_kv_heads=1, intermediate_size=64))
+    gen = torch.Generator().manual_seed(3)
+    ps = [torch.randint(3, 1000, (int(n),), generator=gen).tolist()
+          for n in torch.randint(4, 30, (6,), generator=gen)]
+    reqs = {i: (p, GREEDY) for i, p in enumerate(ps)}
+    shape = dict(page_size=4, num_pages=200, max_running=8, max_batched_tokens=32)
+    plain = run(Engine(model, EngineConfig(**shape)), reqs)
+    for draft in (model, small):
+        engine = Engine(model, EngineConfig(**shape, **DRAFT), draft_model=draft)
+        assert run(engine, reqs) == plain
+        stats = engine.statistics()
+        assert stats.spec_proposed > 0
+        if draft is model:
+            assert stats.spec_accepted > stats.spec_proposed // 2, stats
+        hits = stats.prefix_hits
+        assert run(engine, reqs) == plain  # every prompt now starts from the prefix cache
+        assert engine.statistics().prefix_hits > hits
+    tiny = Engine(model, EngineConfig(page_size=4, num_pages=24, max_running=6,
+                                      max_batched_tokens=16, **DRAFT), draft_model=model)
+    assert run(tiny, reqs, stagger=1) == plain
+
+
+BENCH_MODELS = default_cache_dir() / "bench-models"
+
+
+@pytest.mark.parametrize("draft_file", ["itself", "smollm2-135m-Q4_K_M.gguf"])
+def test_greedy_ids_identical_with_a_draft_on_the_default_model(default_model, draft_file) -> None:
+    """SmolLM2-135M Q4_1 drafted by itself, or by its Q4_K_M requantization (where the bench
+    models were made): the same ids as without, and the guesses mostly kept; drafted by itself,
+    also after prefix-cache hits and across preemption."""
+    if draft_file != "itself" and not (BENCH_MODELS / draft_file).exists():
+        pytest.skip(f"{draft_file} is not in {BENCH_MODELS}")
+    model = default_model
+    draft = model if draft_file == "itself" else load_model(BENCH_MODELS / draft_file)
+    prompt = list(range(1000, 1040))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    reqs = {0: (prompt, params), 1: (prompt[:30], params)}
+    plain = run(Engine(model, EngineConfig()), reqs)
+    engine = Engine(model, EngineConfig(**DRAFT), draft_model=draft)
+    assert run(engine, reqs) == plain
+    stats = engine.statistics()
+    assert stats.spec_accepted > stats.spec_proposed // 2, stats
+    if draft is not model:
+        return  # the prefix-cache and preemption paths once (seconds per run on this model)
+    assert run(engine, reqs) == plain  # again: both prompts start from the prefix cache
+    assert engine.statistics().prefix_hits > stats.prefix_hits
+    # 5 pages of 16 tokens for sequences of 64 and 54 tokens: preemption, the draft re-prefills
+    tiny = Engine(model, EngineConfig(num_pages=5, max_batched_tokens=64, **DRAFT),
+                  draft_model=draft)
+    preempted = 0
+    original = tiny.scheduler.schedule
+
+    def watch():
+        nonlocal preempted
+        sched = original()
+        preempted += len(sched.preempted) if sched else 0
+        return sched
+
+    tiny.scheduler.schedule = watch
+    assert run(tiny, reqs, stagger=1) == plain
+    assert preempted > 0
+
+
+class ByPosition:
+    """Logits that depend only on a row's position (a fixed distribution per position), and a
+    draft that always guesses token 2: the engine's sampled output can be checked against them."""
+
+    def __init__(self, logits: torch.Tensor | None = None) -> None:
+        vocab = 8
+        self.info = ModelInfo(name="by-position", architecture="ByPosition", num_layers=1,
+                              num_kv_heads=1, head_dim=1, vocab_size=vocab, max_model_len=64,
+                              dtype=torch.float32, eos_token_ids=(0,))
+        self.logits = logits
+
+    def forward(self, batch: ForwardBatch, k_caches, v_caches) -> torch.Tensor:
+        pos = batch.positions[batch.logits_indices]
+        if self.logits is None:  # the draft
+            out = torch.zeros(len(pos), self.info.vocab_size)
+            out[:, 2] = 1.0
+            return out
+        return self.logits[pos.clamp(max=len(self.logits) - 1)]
+
+
+def test_sampling_with_a_draft_model_keeps_the_distribution_at_temperature_1() -> None:
+    """Token 2 of each request comes from a verify row (the draft guessed 2) and token 3 from
+    the verify's bonus row or the next step: each is distributed as the model's row at its
+    position, whatever the draft guessed (chi-square, P = 0.001)."""
+    torch.manual_seed(1)
+    logits = torch.randn(4, 8) * 1.5
+    logits[:, 0] = -30.0  # no EOS
+    logits[1, 2] = 1.0  # the draft's guess is kept sometimes, not always
+    model = ByPosition(logits)
+    n = 3000
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=4 * 512, max_running=512,
+                                        max_batched_tokens=1024, **dict(DRAFT, speculative_max_batch=512,
+                                                                         speculative_min_acceptance=0.0)),
+                    draft_model=ByPosition())
+    params = SamplingParams(temperature=1.0, max_tokens=3)
+    got = run(engine, {i: ([5], params) for i in range(n)})
+    stats = engine.statistics()
+    assert 0 < stats.spec_accepted < stats.spec_proposed
+    p = probabilities(logits.clone(), params)
+    second = [0] * 8
+    third = [0] * 8
+    for toks in got.values():
+        second[toks[1]] += 1
+        third[toks[2]] += 1
+    # 6 degrees of freedom (7 possible tokens): P(chi2 > 22.5) = 0.001.
+    assert _chi_square(second, p[1].tolist()) < 22.5, second
+    assert _chi_square(third, p[2].tolist()) < 22.5, third
+    assert second[2] < 0.9 * n  # the draft's guess did not take over
+
+
+def test_draft_settings_are_checked() -> None:
+    from pydantic import ValidationError
+
+    from trio_infer.settings import Settings
+
+    with pytest.raises(ValidationError, match="speculative='draft' needs speculative_draft_model"):
+        Settings(speculative="draft")
+    with pytest.raises(ValidationError, match="speculative_draft_model goes with"):
+        Settings(speculative_draft_model=str(DEFAULT_GGUF))
+    with pytest.raises(ValidationError, match="no such file or folder"):
+        Settings(speculative="draft", speculative_draft_model="/nonexistent/draft.gguf")
+    with pytest.raises(ValidationError, match="speculative_draft_kv_mb must be >= 0"):
+        Settings(speculative_draft_kv_mb=-1)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        Engine(Successor(), EngineConfig(**DRAFT))
+    with pytest.raises(ValueError, match="not 'draft'"):
+        Engine(Successor(), EngineConfig(**SPEC), draft_model=Successor())
+    with pytest.raises(ValueError, match="vocabulary has 32 ids, the model's 64"):
+        Engine(Successor(), EngineConfig(**DRAFT), draft_model=Successor(vocab=32))
+
+
+@pytest.mark.skipif(not DEFAULT_GGUF.exists(), reason="the default model is not fetched")
+def test_a_draft_with_another_tokenizer_is_refused_at_load(tiny_checkpoint) -> None:
+    """(The default model's tokenizer is read from the cache its first use converted it into.)"""
+    from trio_infer.runtime.loading import build_engine
+    from trio_infer.settings import Settings
+
+    settings = Settings(model=str(tiny_checkpoint), speculative="draft",
+                        speculative_draft_model=str(DEFAULT_GGUF), torch_threads=1)
+    with pytest.raises(ValueError, match="tokenizer's vocabulary differs from the model's"):
+        build_engine(settings)
+    same = Settings(model=str(tiny_checkpoint), speculative="draft",
+                    speculative_draft_model=str(tiny_checkpoint), torch_threads=1)
+    engine = build_engine(same)
+    assert engine.statistics().draft_pages_total == engine.statistics().pages_total
+
+
+def test_a_draft_model_with_a_shorter_context_guesses_only_within_it() -> None:
+    class ShortSuccessor(Successor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.info = dataclasses.replace(self.info, max_model_len=12)
+            self.longest = 0
+
+        def forward(self, batch, k_caches, v_caches):
+            self.longest = max(self.longest, int(batch.positions.max()) + 1)
+            return super().forward(batch, k_caches, v_caches)
+
+    draft = ShortSuccessor()
+    engine = Engine(Successor(), EngineConfig(page_size=4, num_pages=64, **DRAFT), draft_model=draft)
+    got = run(engine, {"a": ([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=20,
+                                                          ignore_eos=True))})
+    assert got["a"] == [(4 + i) % 64 for i in range(1, 21)]
+    assert draft.longest == 12 and engine.statistics().spec_accepted > 0

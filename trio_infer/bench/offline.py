@@ -18,6 +18,8 @@ engine with it against the same engine (same loaded model) without it, ``--round
 interleaved (the order alternates each round), on the random workload or ``--workload grounded``
 (bench/grounded.py); ``--baseline llama-server-ngram`` adds llama.cpp's server with its own
 n-gram speculation (``--spec-type ngram-simple``) on the same token ids, in the same rounds.
+``--speculative draft --speculative-draft-model PATH`` does the same with a draft model
+(engine/draft.py) loaded next to the model, each with the same threads, dtype and activations.
 
 ``--tensor-parallel N`` measures our engine over a group of N ranks (runtime/tp_group.py: this
 process is rank 0 and starts the others, each with its share of ``--threads``) against one
@@ -54,6 +56,7 @@ from trio_infer.bench.engine_setup import (
     special_token_ids,
     supports_prefix_cache_flag,
     token_range,
+    torch_dtype,
 )
 from trio_infer.bench.grounded import make_grounded_workload
 from trio_infer.bench.profile import run_profile
@@ -135,9 +138,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "above the L3 cache)")
     p.add_argument("--output-json", type=Path, default=None)
     spec = p.add_argument_group("speculative decoding")
-    spec.add_argument("--speculative", choices=("off", "ngram"), default="off",
+    spec.add_argument("--speculative", choices=("off", "ngram", "draft"), default="off",
                       help="ngram: ours with prompt-lookup speculation against ours without, "
-                      "interleaved rounds (see the module's docstring)")
+                      "interleaved rounds (see the module's docstring); draft: with the draft "
+                      "model of --speculative-draft-model")
+    spec.add_argument("--speculative-draft-model", type=Path, default=None,
+                      help="--speculative draft: the draft model (a .gguf file or a checkpoint "
+                      "folder with the model's vocabulary)")
     spec.add_argument("--workload", choices=("random", "grounded"), default="random",
                       help="grounded: rewrite / summarize a given passage, edit a given code "
                       "file (bench/grounded.py), through the model's chat template")
@@ -195,6 +202,8 @@ def main(args: argparse.Namespace) -> int:
         flush=True,
     )
 
+    if (args.speculative == "draft") != (args.speculative_draft_model is not None):
+        raise SystemExit("error: --speculative draft goes with --speculative-draft-model PATH")
     if args.speculative != "off":
         return run_speculative(path, args, workload, threads)
     if args.tensor_parallel > 1:
@@ -366,8 +375,18 @@ def run_speculative(path: Path, args: argparse.Namespace, workload: list, thread
     """Ours with speculation against ours without (the same loaded model), and llama-server with
     its n-gram speculation if asked, each once per round, the order alternating by round."""
     from trio_infer.engine.engine import Engine
+    from trio_infer.models.loader import load_model
 
     base = build_engine(path, args, workload, not args.no_prefix_cache)
+    draft = None
+    if args.speculative == "draft":
+        draft = load_model(args.speculative_draft_model, dtype=torch_dtype(args.dtype), device="cpu",
+                           keep_blocks=False if args.no_gguf_blocks else None,
+                           activations=args.activations)
+        if draft.info.vocab_size != base.model.info.vocab_size:
+            raise SystemExit(f"error: the draft model has {draft.info.vocab_size} token ids, the "
+                             f"model {base.model.info.vocab_size}")
+        print(f"draft model: {args.speculative_draft_model}", flush=True)
     plain_config = dataclasses.replace(base.config, speculative="off")
     spec_kw: dict[str, Any] = {"speculative": args.speculative}
     if args.speculative_tokens:
@@ -394,8 +413,9 @@ def run_speculative(path: Path, args: argparse.Namespace, workload: list, thread
                     assert server is not None
                     res = server.run(workload, args.ignore_eos)
                 else:
-                    config = spec_config if name == "ours-speculative" else plain_config
-                    engine = Engine(model, config, device="cpu")
+                    speculating = name == "ours-speculative"
+                    engine = Engine(model, spec_config if speculating else plain_config,
+                                    device="cpu", draft_model=draft if speculating else None)
                     res = run_engine(engine, workload, args.ignore_eos)
                     st = engine.statistics()
                     res.update(spec_proposed=st.spec_proposed, spec_accepted=st.spec_accepted,
@@ -434,6 +454,7 @@ def run_speculative(path: Path, args: argparse.Namespace, workload: list, thread
                        "num_prompts": args.num_prompts, "input_len": str(args.input_len),
                        "output_len": str(args.output_len), "ignore_eos": args.ignore_eos,
                        "seed": args.seed, "rounds": args.rounds,
+                       "draft_model": str(args.speculative_draft_model or ""),
                        "engine": dataclasses.asdict(spec_config)},
             "environment": stats.environment(),
         })

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from trio_infer.settings import Settings
 
 KVCacheDType = Literal["auto", "float32", "float16", "bfloat16"]
-SpeculativeMethod = Literal["off", "ngram"]
+SpeculativeMethod = Literal["off", "ngram", "draft"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class EngineConfig:
     kv_cache_dtype: KVCacheDType = "auto"
     # Speculative decoding (engine/speculative.py): "ngram" guesses up to speculative_tokens
     # tokens per step by prompt lookup (matching the last speculative_ngram tokens at most,
-    # speculative_ngram_min at least);
+    # speculative_ngram_min at least), "draft" with a draft model (engine/draft.py);
     # no sequence proposes in a step with more than speculative_max_batch running sequences,
     # and a sequence whose acceptance falls below speculative_min_acceptance pauses.
     speculative: SpeculativeMethod = "off"
@@ -43,6 +43,9 @@ class EngineConfig:
     # Measure whether verify steps emit tokens faster than plain ones and pause drafting while
     # they do not (speculative.Payoff). False: decided by the rules above alone (deterministic).
     speculative_payoff: bool = True
+    # "draft": a draft model (engine/draft.py) guesses instead; its KV pool gets this many bytes,
+    # or 0: as many pages as the target's pool (each draft page then sized by the draft model).
+    speculative_draft_kv_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("page_size", "kv_cache_bytes", "max_running", "max_batched_tokens"):
@@ -53,8 +56,11 @@ class EngineConfig:
         if self.max_batched_tokens < self.max_running:
             # every running sequence decodes one token per step, within the step's budget
             raise ValueError("max_batched_tokens must be >= max_running (one token per decode)")
-        if self.speculative not in ("off", "ngram"):
-            raise ValueError(f"speculative {self.speculative!r}: expected off or ngram")
+        if self.speculative not in ("off", "ngram", "draft"):
+            raise ValueError(f"speculative {self.speculative!r}: expected off, ngram or draft")
+        if self.speculative_draft_kv_bytes < 0:
+            raise ValueError("speculative_draft_kv_mb must be >= 0 (0: as many pages as the "
+                             "target's pool)")
         for name in ("speculative_tokens", "speculative_ngram", "speculative_ngram_min",
                      "speculative_max_batch"):
             if getattr(self, name) < 1:
@@ -80,6 +86,7 @@ class EngineConfig:
             speculative_max_batch=settings.speculative_max_batch,
             speculative_min_acceptance=settings.speculative_min_acceptance,
             speculative_payoff=settings.speculative_payoff,
+            speculative_draft_kv_bytes=settings.speculative_draft_kv_mb * 2**20,
         )
 
 

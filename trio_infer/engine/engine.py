@@ -18,9 +18,12 @@ sampler applies them; ``commit`` advances each matcher by its token and ends the
 the grammar is complete.
 
 Speculative decoding (``config.speculative``, engine/speculative.py): a sequence that can
-speculate gets a :class:`~trio_infer.engine.speculative.PromptLookup`; the scheduler asks it for
-a draft, the step verifies the draft in the same forward, and ``commit`` appends the kept drafts
-and one more token, stopping at the first that ends the sequence, all in one output.
+speculate gets a :class:`~trio_infer.engine.speculative.Proposer` (prompt lookup, or its state in
+the draft model's KV cache: engine/draft.py); the scheduler asks it for a draft, the step
+verifies the draft in the same forward, and ``commit`` appends the kept drafts and one more
+token, stopping at the first that ends the sequence, all in one output. With a draft model,
+``schedule`` reserves the draft's pages and snapshots what it has to read, and ``execute`` runs
+the draft model's forwards before the target's.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Hashable
 import torch
 
 from trio_infer.engine.config import EngineConfig
+from trio_infer.engine.draft import DraftModel, DraftWork, draft_work, fill_drafts
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.grammar import Grammars, TokenMasks
 from trio_infer.engine.kv_cache import KVCache, PagePool, resolve_kv_dtype
@@ -42,7 +46,7 @@ from trio_infer.engine.prefix_cache import PrefixCache
 from trio_infer.engine.sampler import SampleResult
 from trio_infer.engine.scheduler import Schedule, Scheduler
 from trio_infer.engine.sequence import Sequence, Status
-from trio_infer.engine.speculative import Drafts, Payoff, PromptLookup
+from trio_infer.engine.speculative import Drafts, Payoff, PromptLookup, Proposer
 from trio_infer.models.base import CausalLM
 from trio_infer.wire import EngineStatistics, RequestOutput, SamplingParams
 
@@ -58,6 +62,7 @@ class StepPlan:
     sampling: list[Sequence] = field(default_factory=list)  # plain sampling sequences, row order
     prompt_rows: PromptRows | None = None  # logits rows after the sampling ones
     drafts: Drafts | None = None  # the sequences that verify a draft this step
+    draft_work: list[DraftWork] | None = None  # what the draft model guesses for them, if any
 
 
 class Engine:
@@ -67,9 +72,11 @@ class Engine:
         config: EngineConfig = EngineConfig(),
         device: str = "cpu",
         grammars: Grammars | None = None,
+        draft_model: CausalLM | None = None,
     ) -> None:
         """``grammars`` compiles the grammars of constrained requests (it needs the tokenizer);
-        without it, a request with a grammar is refused."""
+        without it, a request with a grammar is refused. ``draft_model``: the draft model of
+        ``speculative="draft"`` (required then, refused otherwise), with the target's vocabulary."""
         info = model.info
         self.model = model
         self.config = config
@@ -107,6 +114,7 @@ class Engine:
             config.speculative_max_batch if config.speculative != "off" else 0,
         )
         self.runner = ModelRunner(model, self.kv_cache, self.device)
+        self._draft = self._draft_model(draft_model, num_pages)
         self._seqs: dict[Hashable, Sequence] = {}
         self.grammars = grammars
         self._sample_steps = 0  # sequence-steps that sampled, since start
@@ -115,6 +123,26 @@ class Engine:
         self._spec_accepted = 0
         self._payoff = (Payoff() if config.speculative != "off" and config.speculative_payoff
                         else None)
+
+    def _draft_model(self, model: CausalLM | None, num_pages: int) -> DraftModel | None:
+        """The draft model in its own KV cache: ``speculative_draft_kv_bytes`` of pages, or as
+        many pages as the target's pool."""
+        c = self.config
+        if c.speculative != "draft":
+            if model is not None:
+                raise ValueError(f"a draft model was given, but speculative is {c.speculative!r}, "
+                                 "not 'draft'")
+            return None
+        if model is None:
+            raise ValueError("speculative='draft' needs a draft model (speculative_draft_model)")
+        if model.info.vocab_size != self.model.info.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary has {model.info.vocab_size} ids, the model's "
+                f"{self.model.info.vocab_size}: speculative_draft_model must share the tokenizer")
+        if c.speculative_draft_kv_bytes:
+            per_page = DraftModel.bytes_per_page(model, c.page_size, c.kv_cache_dtype, self.device)
+            num_pages = max(1, c.speculative_draft_kv_bytes // per_page)
+        return DraftModel(model, c.page_size, num_pages, c.kv_cache_dtype, self.device)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -154,11 +182,16 @@ class Engine:
             eos = () if params.ignore_eos else sorted(self.eos_token_ids)
             seq.min_tokens_block = tuple(dict.fromkeys([*eos, *params.stop_token_ids]))
         if self._speculates(params):
-            c = self.config
-            seq.lookup = PromptLookup(c.speculative_ngram, c.speculative_tokens,
-                                      c.speculative_min_acceptance, c.speculative_ngram_min)
+            seq.proposer = self._proposer()
         self._seqs[uid] = seq
         self.scheduler.add(seq)
+
+    def _proposer(self) -> Proposer:
+        c = self.config
+        if self._draft is not None:
+            return self._draft.proposer(c.speculative_tokens, c.speculative_min_acceptance)
+        return PromptLookup(c.speculative_ngram, c.speculative_tokens,
+                            c.speculative_min_acceptance, c.speculative_ngram_min)
 
     def _speculates(self, params: SamplingParams) -> bool:
         """Whether a request with ``params`` speculates: the server does, the request did not opt
@@ -199,7 +232,10 @@ class Engine:
             return None
         batch, prompt_rows, drafts = self.runner.prepare(schedule)
         sampling = [it.seq for it in schedule.items if it.samples and not it.draft]
-        return StepPlan(schedule, batch, sampling, prompt_rows, drafts)
+        work = None
+        if self._draft is not None and drafts is not None:
+            work = [draft_work(it.seq, len(it.draft)) for it in schedule.items if it.draft]
+        return StepPlan(schedule, batch, sampling, prompt_rows, drafts, work)
 
     def execute(self, plan: StepPlan) -> SampleResult:
         # The masks of the constrained rows are computed in a thread while the model runs; the
@@ -207,7 +243,11 @@ class Engine:
         masks = TokenMasks.start(self.grammars, [seq.matcher for seq in plan.sampling])
         try:
             t0 = time.perf_counter()
-            result = self.runner.run(plan.batch, plan.sampling, plan.prompt_rows, masks, plan.drafts)
+            batch, drafts = plan.batch, plan.drafts
+            if plan.draft_work:
+                assert self._draft is not None and drafts is not None
+                batch, drafts = fill_drafts(batch, drafts, self._draft.run(plan.draft_work))
+            result = self.runner.run(batch, plan.sampling, plan.prompt_rows, masks, drafts)
             return dataclasses.replace(result, seconds=time.perf_counter() - t0)
         finally:
             if masks is not None:
@@ -278,8 +318,8 @@ class Engine:
         rejected ones' are overwritten later), and the tokens are appended one by one up to the
         first that ends the sequence."""
         kept = len(tokens) - 1
-        assert seq.lookup is not None
-        seq.lookup.record(len(draft), kept)
+        assert seq.proposer is not None
+        seq.proposer.record(len(draft), kept)
         self._spec_proposed += len(draft)
         self._spec_accepted += kept
         reason = stop_token = None
@@ -293,6 +333,7 @@ class Engine:
         # Positions start .. start + kept hold the keys of the tokens there (the last sampled one
         # and the kept drafts); a stop before the end of them cuts the tokens, not the rule.
         seq.num_computed = min(start + 1 + kept, len(seq.token_ids) - 1)
+        seq.proposer.keep(seq.num_computed)
         self.scheduler.record_computed(seq)
         if reason is not None:
             self._retire(seq, reason)
@@ -359,6 +400,8 @@ class Engine:
             sampled_tokens=self._sampled_tokens,
             spec_proposed=self._spec_proposed,
             spec_accepted=self._spec_accepted,
+            draft_pages_used=self._draft.pool.num_used if self._draft else 0,
+            draft_pages_total=self._draft.pool.num_pages if self._draft else 0,
         )
 
     def has_unfinished(self) -> bool:
@@ -380,6 +423,12 @@ class Engine:
     @property
     def num_requests(self) -> int:
         return len(self._seqs)
+
+    @property
+    def num_draft_pages(self) -> int:
+        """Pages of the draft model's pool in use (speculative=draft): 0 when idle, as it keeps
+        no prefix cache; 0 without a draft model."""
+        return self._draft.pool.num_used if self._draft else 0
 
     @property
     def num_cached_pages(self) -> int:

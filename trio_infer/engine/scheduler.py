@@ -33,9 +33,10 @@ none, so it computes its whole prompt; the pages it computes are still offered t
 A sequence with ``max_tokens == 0`` prefills its prompt and never samples.
 
 Speculative decoding (engine/speculative.py): a running sequence in decode that has a
-``lookup`` may carry a draft of guessed tokens; its item then computes ``1 + len(draft)`` tokens
+``proposer`` may carry a draft of guessed tokens; its item then computes ``1 + len(draft)`` tokens
 (the last sampled one and the draft) and counts among the decodes, one row per token. A draft
 only takes pages the pool has free (or the prefix cache gives up): it never preempts anyone.
+A draft model's pages (engine/draft.py) go back wherever the sequence's own do.
 No sequence proposes in a step with more than ``spec_max_batch`` running sequences (0: never),
 nor while ``drafting`` is False.
 """
@@ -225,12 +226,12 @@ class Scheduler:
     def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
         """The tokens ``seq`` guesses for this step, with the pages to verify them reserved; ()
         when it does not speculate now. A draft never goes past ``max_tokens`` or the context."""
-        if seq.lookup is None or seq.num_pending != 1 or seq.prompt_lps is not None:
+        if seq.proposer is None or seq.num_pending != 1 or seq.prompt_lps is not None:
             return ()
         limit = min(budget - 1, seq.max_len - len(seq.token_ids))
         if seq.params.max_tokens is not None:
             limit = min(limit, seq.params.max_tokens - seq.num_output_tokens - 1)
-        draft = seq.lookup.propose(seq.token_ids, limit)
+        draft = seq.proposer.propose(seq.token_ids, limit)
         if not draft or not self._reserve(seq, seq.num_computed + 1 + len(draft)):
             return ()
         return tuple(draft)
@@ -281,6 +282,9 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=lambda s: s.queue_key)
 
     def _free(self, seq: Sequence) -> None:
+        """Every page ``seq`` holds goes back: its own, and its draft model's (engine/draft.py)."""
         self.pool.release(seq.pages)
         seq.pages = []
         seq.cache_nodes = []
+        if seq.proposer is not None:
+            seq.proposer.release()

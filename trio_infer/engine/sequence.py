@@ -11,7 +11,7 @@ import torch
 from trio_infer.wire import SamplingParams
 
 if TYPE_CHECKING:
-    from trio_infer.engine.speculative import PromptLookup
+    from trio_infer.engine.speculative import Proposer
     from trio_infer.wire import TokenLogprob
 
 
@@ -64,9 +64,10 @@ class Sequence:
     # scheduled (the first time is reported to the front end as the end of its queue time).
     arrival: int = 0
     admitted: bool = False
-    # Speculative decoding (engine/speculative.py): this sequence's n-gram index and acceptance
-    # record, None when it does not speculate (off, opted out, or a request it cannot serve).
-    lookup: PromptLookup | None = None
+    # Speculative decoding (engine/speculative.py): what guesses this sequence's tokens (its
+    # n-gram index, or its draft model's pages and progress: engine/draft.py) and its acceptance
+    # record; None when it does not speculate (off, opted out, or a request it cannot serve).
+    proposer: Proposer | None = None
 
     @property
     def queue_key(self) -> tuple[int, int]:

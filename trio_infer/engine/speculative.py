@@ -8,6 +8,11 @@ the ones that come next (longest match first, from ``speculative_ngram`` down to
 ``speculative_ngram_min`` tokens: a one-token match guesses wrong about half the time on the
 grounded workload, a two-token one about a fifth; docs/benchmarks.md).
 
+What guesses is a sequence's :class:`Proposer`: :class:`PromptLookup` here, or a draft model
+(engine/draft.py: a smaller model with the same vocabulary, in a KV cache of its own, greedy,
+so its draft is a point mass too and everything below holds for it unchanged). Both share the
+off-switches and the adaptive draft length of the base class.
+
 The engine verifies a sequence's draft ``d_1..d_k`` as ``k + 1`` one-token rows of the decode
 group of the step (positions ``start .. start + k``, each attending to the rows before it: every
 row's key is stored before any row attends), so the verify forward is the same decode step as
@@ -42,6 +47,7 @@ sequence's draft length adapts: one token more after a draft it kept whole (up t
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -59,43 +65,27 @@ COOLDOWN_STEPS = 16
 _EMA = 0.3
 
 
-class PromptLookup:
-    """One sequence's n-gram index over its own tokens (prompt and output), kept up to date as
-    tokens are appended, and its acceptance record for the off-switch.
+class Proposer(ABC):
+    """One sequence's drafting state, whatever guesses its tokens: the draft length now and its
+    acceptance record, behind the off-switches (the same for every way of guessing).
 
-    ``_index[m - 1]`` maps each m-gram that has a token after it to the position of that token,
-    for its latest occurrence; the sequence's current last m tokens are indexed only once a token
-    follows them, so a lookup never finds the suffix itself.
+    The scheduler calls :meth:`propose` for a draft of at most ``limit`` tokens; the engine calls
+    :meth:`record` with what the verify step kept and :meth:`keep` with the sequence's new
+    ``num_computed``; the scheduler calls :meth:`release` when the sequence gives its pages
+    back (finish, abort, preemption). Two implementations: :class:`PromptLookup` (n-gram) and
+    :class:`~trio_infer.engine.draft.DraftProposer` (a draft model).
     """
 
-    def __init__(self, max_ngram: int, num_tokens: int, min_acceptance: float,
-                 min_ngram: int = 1) -> None:
-        self.max_ngram = max_ngram
-        self.min_ngram = min(min_ngram, max_ngram)
+    def __init__(self, num_tokens: int, min_acceptance: float) -> None:
         self.num_tokens = num_tokens  # k: tokens proposed at most per step
         self.min_acceptance = min_acceptance
         self._length = num_tokens  # the draft length now, adapted by record()
-        self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram)]
-        self._indexed = 0  # positions whose following token is indexed: [0, _indexed)
         self._acceptance = 1.0
         self._cooldown = 0
 
+    @abstractmethod
     def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        """Up to ``min(k, limit)`` tokens guessed to follow ``token_ids``; [] when no n-gram of
-        the suffix occurred before, or while the off-switch holds this sequence."""
-        self._extend(token_ids)
-        if self._cooldown:
-            self._cooldown -= 1
-            return []
-        limit = min(limit, self._length)
-        if limit <= 0:
-            return []
-        n = len(token_ids)
-        for m in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
-            nxt = self._index[m - 1].get(tuple(token_ids[n - m :]))
-            if nxt is not None:
-                return token_ids[nxt : nxt + limit]
-        return []
+        """Up to ``limit`` tokens guessed to follow ``token_ids`` ([] for none)."""
 
     def record(self, proposed: int, accepted: int) -> None:
         """A verify step kept ``accepted`` of ``proposed`` drafts: adapt the draft length, update
@@ -109,6 +99,53 @@ class PromptLookup:
         if self._acceptance < self.min_acceptance:
             self._cooldown = COOLDOWN_STEPS
             self._acceptance = self.min_acceptance  # one more try after the cooldown
+
+    def keep(self, num_computed: int) -> None:
+        """The sequence's keys and values now stand for its first ``num_computed`` tokens (after
+        a verify step); a proposer with KV of its own rolls back past them."""
+
+    def release(self) -> None:
+        """The sequence gave back its pages (finish, abort, preemption): so does the proposer."""
+
+    def _draft_length(self, limit: int) -> int:
+        """How many tokens to guess this step: 0 while the off-switch holds the sequence (the
+        call counts its cooldown down), else the adapted length, at most ``limit``."""
+        if self._cooldown:
+            self._cooldown -= 1
+            return 0
+        return max(0, min(limit, self._length))
+
+
+class PromptLookup(Proposer):
+    """One sequence's n-gram index over its own tokens (prompt and output), kept up to date as
+    tokens are appended.
+
+    ``_index[m - 1]`` maps each m-gram that has a token after it to the position of that token,
+    for its latest occurrence; the sequence's current last m tokens are indexed only once a token
+    follows them, so a lookup never finds the suffix itself.
+    """
+
+    def __init__(self, max_ngram: int, num_tokens: int, min_acceptance: float,
+                 min_ngram: int = 1) -> None:
+        super().__init__(num_tokens, min_acceptance)
+        self.max_ngram = max_ngram
+        self.min_ngram = min(min_ngram, max_ngram)
+        self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram)]
+        self._indexed = 0  # positions whose following token is indexed: [0, _indexed)
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        """Up to ``min(k, limit)`` tokens guessed to follow ``token_ids``; [] when no n-gram of
+        the suffix occurred before, or while the off-switch holds this sequence."""
+        self._extend(token_ids)
+        limit = self._draft_length(limit)
+        if limit <= 0:
+            return []
+        n = len(token_ids)
+        for m in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
+            nxt = self._index[m - 1].get(tuple(token_ids[n - m :]))
+            if nxt is not None:
+                return token_ids[nxt : nxt + limit]
+        return []
 
     def _extend(self, token_ids: list[int]) -> None:
         # Index every m-gram ending at position i - 1, followed by token i, for the new i.
@@ -126,6 +163,9 @@ class Payoff:
     keeps a running average of seconds per token per batch size; once both have
     ``min_samples`` steps and drafting is the slower, :meth:`allows` says no for ``pause``
     steps, and the drafting average starts again (the machine's load may have changed).
+    Drafting that has ``min_samples`` steps while plain decoding at that batch size has fewer
+    (a draft model drafts at every step: no plain step would ever be measured) says no for as
+    many steps as plain decoding lacks, so that both get measured (``probes`` counts those).
     """
 
     def __init__(self, min_samples: int = 16, pause: int = 64, weight: float = 0.1) -> None:
@@ -136,6 +176,7 @@ class Payoff:
         self._count: dict[tuple[bool, int], int] = {}
         self._paused = 0
         self.pauses = 0  # times drafting was found slower, since start
+        self.probes = 0  # times drafting paused so that plain steps could be measured
 
     def allows(self) -> bool:
         """Whether this step may draft (counts the paused steps down)."""
@@ -154,8 +195,13 @@ class Payoff:
         self._avg[key] = avg + (self.weight if n else 1.0) * (per_token - avg)
         self._count[key] = n + 1
         plain = (False, batch)
-        if (drafted and n + 1 >= self.min_samples and self._count.get(plain, 0) >= self.min_samples
-                and self._avg[key] > self._avg[plain]):
+        if not drafted or n + 1 < self.min_samples or self._paused:
+            return
+        measured = self._count.get(plain, 0)
+        if measured < self.min_samples:
+            self._paused = self.min_samples - measured
+            self.probes += 1
+        elif self._avg[key] > self._avg[plain]:
             self._paused = self.pause
             self.pauses += 1
             self._count[key] = 0

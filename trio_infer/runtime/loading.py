@@ -53,8 +53,11 @@ def build_engine(settings: Settings, progress: Progress | None = None) -> Engine
             name=settings.served_model_name or FAKE_MODEL,
             step_s=settings.fake_step_ms / 1000,
         )
+        draft = None
+        if settings.speculative_draft_model is not None:
+            draft = load_draft_model(settings, "cpu", None, report)
         return Engine(model, config, device="cpu",
-                      grammars=build_grammars(model, lambda: tokenizer))
+                      grammars=build_grammars(model, lambda: tokenizer), draft_model=draft)
 
     from trio_infer.models.loader import load_model, resolve_model_path
 
@@ -64,9 +67,31 @@ def build_engine(settings: Settings, progress: Progress | None = None) -> Engine
         model = load_model(path, dtype=dtype, device=device, served_name=settings.served_model_name,
                            keep_blocks=None if settings.keep_gguf_blocks else False,
                            activations=settings.activations)
+    draft = None
+    if settings.speculative_draft_model is not None:
+        draft = load_draft_model(settings, device, dtype, report)
     report("engine", None, None)
     return Engine(model, config, device=device,
-                  grammars=build_grammars(model, lambda: build_tokenizer(settings)))
+                  grammars=build_grammars(model, lambda: build_tokenizer(settings)),
+                  draft_model=draft)
+
+
+def load_draft_model(settings: Settings, device: str, dtype: Any, report: Progress) -> Any:
+    """The draft model of ``speculative=draft``, after checking that its tokenizer's vocabulary
+    is the model's (the same ids for the same strings: the draft's guesses are the model's
+    tokens); raises ValueError naming the setting otherwise."""
+    from trio_infer.models.loader import load_model, resolve_model_path
+
+    path = settings.speculative_draft_model
+    assert path is not None
+    draft_settings = settings.model_copy(update={"model": path, "speculative_draft_model": None})
+    if build_tokenizer(draft_settings).get_vocab() != build_tokenizer(settings).get_vocab():
+        raise ValueError(f"speculative_draft_model {path!r}: its tokenizer's vocabulary differs "
+                         "from the model's; the draft model must share the model's tokenizer")
+    with _counting_tensors(report):
+        return load_model(resolve_model_path(path, settings.cache_dir), dtype=dtype, device=device,
+                          keep_blocks=None if settings.keep_gguf_blocks else False,
+                          activations=settings.activations)
 
 
 def load_shard(settings: Settings, rank: int, size: int, device: str) -> Any:
