@@ -288,6 +288,9 @@ class Settings(BaseSettings):
         if tp > 1 and (self.data_parallel > 1 or self.api_workers > 1):
             raise ValueError("tensor_parallel > 1 cannot be combined with data_parallel > 1 or "
                              "api_workers > 1 (not built): use one or the other")
+        if tp > 1 and self.speculative == "draft":
+            raise ValueError("tensor_parallel > 1 cannot be combined with speculative 'draft' (not "
+                             "built: the draft model would run whole on rank 0); 'ngram' works")
         if tp > 1 and self.model == "fake":
             raise ValueError("tensor_parallel > 1 needs a real model, not 'fake'")
         if self.nnodes > 1 and tp == 1:

@@ -126,6 +126,8 @@ def test_a_split_inside_a_block_is_refused_clearly() -> None:
     (dict(tensor_parallel=2, data_parallel=2), "cannot be combined"),
     (dict(tensor_parallel=2, api_workers=2), "cannot be combined"),
     (dict(tensor_parallel=2, model="fake"), "needs a real model"),
+    (dict(tensor_parallel=2, speculative="draft", speculative_draft_model=__file__),
+     "speculative 'draft'"),
     (dict(tensor_parallel=2, nnodes=2), "needs dist_init_addr"),
     (dict(tensor_parallel=3, nnodes=2, dist_init_addr="h:1"), "not a multiple of nnodes"),
     (dict(tensor_parallel=2, nnodes=2, node_rank=2, dist_init_addr="h:1"), "below nnodes"),
