@@ -5,9 +5,15 @@ this project makes to hypercorn 0.18, with why each exists.
 option that differs from hypercorn's defaults is set there, next to its reason.
 
 :func:`install` changes two hypercorn classes (it must replace them: hypercorn has no hook for
-any of the three changes below). Both changes apply only to connections served under a :class:`ServerConfig`; under any
-other configuration (``hypercorn trio_infer.app:app`` on the command line, or another app in the
-same process) the classes behave exactly as hypercorn's own.
+any of the three changes below). Changes 1 and 2 apply only to connections served under a
+:class:`ServerConfig`; under any other configuration (``hypercorn trio_infer.app:app`` on the
+command line, or another app in the same process) they are hypercorn's own behaviour. Change 3
+writes the same bytes under the same lock, only faster, so it applies to every connection once
+installed: ``serve`` installs all three before it starts hypercorn, and the app installs them
+from its lifespan startup (``app.py``), which is how the bare ``hypercorn trio_infer.app:app``
+command gets change 3: hypercorn looks ``TCPServer`` up in ``hypercorn.trio.run`` when it starts
+serving, after the app's startup has run. (Changes 1 and 2 stay off there: the cap and the
+timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does not carry.)
 
 1. **A cap on concurrent connections**, which hypercorn lacks (``max_connections``). A connection
    past the cap is accepted, answered 503 in the OpenAI envelope with ``Connection: close``
@@ -42,6 +48,7 @@ same process) the classes behave exactly as hypercorn's own.
    goes through hypercorn's path, shielded as there. A write while another task holds the lock
    takes hypercorn's path whole. Measured with ``bench frontend --compare`` (256 streams x 20 ms,
    medians of 3): server CPU per token 106 -> 88 us, gap p99 194 -> 77 ms (docs/benchmarks.md).
+   Under any configuration (see above), so under bare ``hypercorn`` too.
 
 ``tests/runtime/test_connection_limits.py`` proves changes 1 and 2 against a real server (and
 fails without them); every streaming test goes through change 3.
@@ -124,8 +131,8 @@ _INSTALLED = False
 
 
 def install() -> bool:
-    """Install both changes (idempotent). Returns False, changing nothing, if hypercorn is not
-    the 0.18 layout they were written for."""
+    """Install the three changes (idempotent). Returns False, changing nothing, if hypercorn is
+    not the 0.18 layout they were written for."""
     global _INSTALLED
     if _INSTALLED:
         return True
@@ -142,7 +149,8 @@ def install() -> bool:
         return False
 
     class CappedTCPServer(TCPServer):
-        """Change 1 (the cap) and the first half of change 2 (the timer's restart shielded)."""
+        """Change 1 (the cap), the first half of change 2 (the timer's restart shielded) and
+        change 3 (a write in one ``os.write``)."""
 
         async def run(self) -> None:
             config = self.config
@@ -157,10 +165,10 @@ def install() -> bool:
                 config.open_connections -= 1
 
         async def protocol_send(self, event: Any) -> None:
-            if not isinstance(self.config, ServerConfig):
+            if type(event) is RawData and isinstance(self.stream, trio.SocketStream):
+                await self._send_raw(event.data)  # change 3: under any configuration
+            elif not isinstance(self.config, ServerConfig):
                 await super().protocol_send(event)
-            elif isinstance(event, RawData) and isinstance(self.stream, trio.SocketStream):
-                await self._send_raw(event.data)
             elif isinstance(event, Updated) and event.idle:
                 with trio.CancelScope(shield=True):  # restarting the timer takes no time
                     await super().protocol_send(event)
