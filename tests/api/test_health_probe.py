@@ -9,6 +9,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import h11
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
@@ -114,15 +115,25 @@ async def test_a_loading_server_answers_503_with_retry_after() -> None:
 async def test_bare_hypercorn_writes_each_chunk_in_one_os_write(tokenizer, monkeypatch) -> None:
     """Under hypercorn's own ``Config`` (the bare command), once the app started, no response
     write goes through trio's ``SocketStream.send_all`` (hypercorn's path) when the socket takes
-    it at once: change 3 of server.py, installed by the app's lifespan."""
+    it at once (change 3 of server.py), no body chunk through h11 (change 4), and the response
+    is still valid chunked HTTP/1.1 carrying the whole stream: both installed by the app's
+    lifespan."""
     calls: list[int] = []
     original = trio.SocketStream.send_all
+    h11_send = h11.Connection.send
+    h11_chunks: list[int] = []
 
     async def counting_send_all(self: Any, data: Any) -> None:
         calls.append(len(data))
         await original(self, data)
 
+    def counting_h11_send(self: Any, event: Any) -> Any:
+        if type(event) is h11.Data:
+            h11_chunks.append(len(event.data))
+        return h11_send(self, event)
+
     monkeypatch.setattr(trio.SocketStream, "send_all", counting_send_all)
+    monkeypatch.setattr(h11.Connection, "send", counting_h11_send)
     app = make_app(tokenizer)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -147,9 +158,26 @@ async def test_bare_hypercorn_writes_each_chunk_in_one_os_write(tokenizer, monke
             async with stream:
                 await original(stream, request)
                 received = b""
-                while b"data: [DONE]" not in received:  # hypercorn keeps the socket: read to the end
+                while not received.endswith(b"\r\n0\r\n\r\n"):  # hypercorn keeps the socket
                     received += await stream.receive_some()
             shutdown.set()
     assert received.startswith(b"HTTP/1.1 200")
-    assert b'"finish_reason":"length"' in received and b"data: [DONE]" in received
-    assert calls == []
+    assert calls == [] and h11_chunks == []
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="POST", target="/v1/completions",
+                            headers=[("host", "x"), ("content-length", str(len(body)))]))
+    client.send(h11.Data(data=body))
+    client.send(h11.EndOfMessage())
+    client.receive_data(received)
+    events = []
+    while (event := client.next_event()) is not h11.NEED_DATA:
+        events.append(event)
+        if type(event) is h11.EndOfMessage:
+            break
+    assert type(events[0]) is h11.Response and events[0].status_code == 200
+    assert type(events[-1]) is h11.EndOfMessage
+    text = b"".join(e.data for e in events if type(e) is h11.Data).decode()
+    chunks = [json.loads(line[len("data: "):]) for line in text.split("\n\n")
+              if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert text.endswith("data: [DONE]\n\n")
