@@ -26,6 +26,7 @@ Lifecycle of the worker inside the app:
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,8 @@ import trio
 from hypercorn.utils import LifespanFailureError
 from quart_trio import QuartTrio
 
+from trio_infer import server
+from trio_infer.api import health
 from trio_infer.api.errors import register_error_handlers
 from trio_infer.api.plans import ModelLimits
 from trio_infer.api.render import TokenText
@@ -64,10 +67,21 @@ class LoadFailed(LifespanFailureError):
         self.reason = reason
 
 
+class App(QuartTrio):
+    """quart-trio's app with ``/health`` answered before quart's request machinery
+    (``api/health.py`` says why)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        state: ServerState = self.extensions["trio_infer"]
+        if health.is_plain_probe(scope, state.settings.max_header_bytes):
+            return await health.answer(scope, send, state)
+        return await self.asgi_app(scope, receive, send)
+
+
 def create_app(
     settings: Settings | None = None, *, loaded: "tuple[Engine, Any] | None" = None,
     wiring: Wiring = Wiring(),
-) -> QuartTrio:
+) -> App:
     """A new app serving ``settings`` (``wiring``: how a front end of ``serve --api-workers``
     reaches the shared worker).
 
@@ -77,7 +91,7 @@ def create_app(
     before startup returns (tests under a mock clock rely on that).
     """
     settings = settings if settings is not None else Settings()
-    app = QuartTrio(__name__)
+    app = App(__name__)
     app.config.update(
         RESPONSE_TIMEOUT=None,  # trap 1: streams may run for minutes
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
@@ -93,6 +107,9 @@ def create_app(
 
     @app.before_serving
     async def _start_engine() -> None:
+        # Under bare ``hypercorn trio_infer.app:app`` too, every write goes out as server.py's
+        # change 3 writes it (its docstring says why this is the place).
+        server.install()
         if loaded is None:
             app.nursery.start_soon(load_and_serve, app.nursery, state)
         else:
@@ -140,6 +157,22 @@ async def load_and_serve(nursery: trio.Nursery, state: ServerState) -> None:
         log.error("the model could not be loaded: %s", reason)
         raise LoadFailed(reason) from exc
     state.serve(engine, loaded[0])
+    settle_heap()
+
+
+def settle_heap() -> None:
+    """Take everything loaded so far (the imports, the tokenizer: about 100k objects) out of the
+    garbage collector's sight (``gc.freeze``).
+
+    Why: CPython's full collection walks every tracked object, and this heap made it take 100-200
+    ms on this machine, during which no stream is written and no probe answered; a burst of
+    requests, whose objects survive the young collections, sets one off. Frozen objects are
+    never collected (they are the server's for its lifetime anyway), and a full collection then
+    walks only what the requests made. Called once, when the model is served by
+    :func:`load_and_serve` (not for an engine handed in: a test process makes many apps, and
+    must collect them). No ``gc.collect()`` first: it would add as much to the time to healthy,
+    for the few cycles startup left behind."""
+    gc.freeze()
 
 
 def _innermost(exc: BaseException) -> str:

@@ -5,9 +5,15 @@ this project makes to hypercorn 0.18, with why each exists.
 option that differs from hypercorn's defaults is set there, next to its reason.
 
 :func:`install` changes two hypercorn classes (it must replace them: hypercorn has no hook for
-any of the three changes below). Both changes apply only to connections served under a :class:`ServerConfig`; under any
-other configuration (``hypercorn trio_infer.app:app`` on the command line, or another app in the
-same process) the classes behave exactly as hypercorn's own.
+any of the four changes below). Changes 1 and 2 apply only to connections served under a
+:class:`ServerConfig`; under any other configuration (``hypercorn trio_infer.app:app`` on the
+command line, or another app in the same process) they are hypercorn's own behaviour. Changes
+3 and 4 write the same bytes under the same lock, only faster, so they apply to every connection
+once installed: ``serve`` installs all four before it starts hypercorn, and the app installs them
+from its lifespan startup (``app.py``), which is how the bare ``hypercorn trio_infer.app:app``
+command gets changes 3 and 4: hypercorn looks ``TCPServer`` up in ``hypercorn.trio.run`` when it starts
+serving, after the app's startup has run. (Changes 1 and 2 stay off there: the cap and the
+timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does not carry.)
 
 1. **A cap on concurrent connections**, which hypercorn lacks (``max_connections``). A connection
    past the cap is accepted, answered 503 in the OpenAI envelope with ``Connection: close``
@@ -42,6 +48,19 @@ same process) the classes behave exactly as hypercorn's own.
    goes through hypercorn's path, shielded as there. A write while another task holds the lock
    takes hypercorn's path whole. Measured with ``bench frontend --compare`` (256 streams x 20 ms,
    medians of 3): server CPU per token 106 -> 88 us, gap p99 194 -> 77 ms (docs/benchmarks.md).
+   Under any configuration (see above), so under bare ``hypercorn`` too.
+
+4. **A streamed chunk skips hypercorn's per-event layers.** Each chunk of a streamed response
+   went through hypercorn's ``HTTPStream.app_send`` (its chain of message checks, a copy of the
+   body, a ``Body`` event), ``H11Protocol.stream_send``, ``_send_h11_event`` and h11's
+   ``Connection.send`` (its state machine, which a body chunk never moves, and the chunked
+   writer: ``%x\r\n`` + data + ``\r\n``) before the write: five awaited layers, a tenth of the
+   front end's CPU at 256 streams (py-spy). When the response is past its headers (h11 in
+   ``SEND_BODY`` with its chunked writer) and the chunk is non-empty bytes with more to come,
+   the same framed bytes are handed straight to the connection's write (change 3); anything
+   else (the first and last messages, a HEAD or a fixed-length body, HTTP/2) goes through
+   hypercorn's own path. Same bytes, same order, same lock. Like change 3, it applies to every
+   connection once installed.
 
 ``tests/runtime/test_connection_limits.py`` proves changes 1 and 2 against a real server (and
 fails without them); every streaming test goes through change 3.
@@ -124,8 +143,8 @@ _INSTALLED = False
 
 
 def install() -> bool:
-    """Install both changes (idempotent). Returns False, changing nothing, if hypercorn is not
-    the 0.18 layout they were written for."""
+    """Install the four changes (idempotent). Returns False, changing nothing, if hypercorn is
+    not the 0.18 layout they were written for."""
     global _INSTALLED
     if _INSTALLED:
         return True
@@ -133,16 +152,20 @@ def install() -> bool:
         import h11
         import hypercorn.trio.run as run_module
         from hypercorn.events import Closed, RawData, Updated
+        from h11._writers import ChunkedWriter
         from hypercorn.protocol.h11 import H11Protocol
+        from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
         from hypercorn.trio.tcp_server import TCPServer
     except ImportError:
         return False
     if getattr(run_module, "TCPServer", None) is not TCPServer or not hasattr(TCPServer, "protocol_send") \
-            or not hasattr(H11Protocol, "_maybe_recycle"):
+            or not hasattr(H11Protocol, "_maybe_recycle") or not hasattr(HTTPStream, "app_send") \
+            or not hasattr(h11.Connection(h11.SERVER), "_writer"):
         return False
 
     class CappedTCPServer(TCPServer):
-        """Change 1 (the cap) and the first half of change 2 (the timer's restart shielded)."""
+        """Change 1 (the cap), the first half of change 2 (the timer's restart shielded) and
+        change 3 (a write in one ``os.write``)."""
 
         async def run(self) -> None:
             config = self.config
@@ -157,10 +180,10 @@ def install() -> bool:
                 config.open_connections -= 1
 
         async def protocol_send(self, event: Any) -> None:
-            if not isinstance(self.config, ServerConfig):
+            if type(event) is RawData and isinstance(self.stream, trio.SocketStream):
+                await self._send_raw(event.data)  # change 3: under any configuration
+            elif not isinstance(self.config, ServerConfig):
                 await super().protocol_send(event)
-            elif isinstance(event, RawData) and isinstance(self.stream, trio.SocketStream):
-                await self._send_raw(event.data)
             elif isinstance(event, Updated) and event.idle:
                 with trio.CancelScope(shield=True):  # restarting the timer takes no time
                     await super().protocol_send(event)
@@ -209,6 +232,23 @@ def install() -> bool:
                 await self.send(Updated(idle=True))
 
     H11Protocol._maybe_recycle = _maybe_recycle  # type: ignore[method-assign]
+
+    app_send = HTTPStream.app_send
+    send_body = ASGIHTTPState.RESPONSE
+
+    async def _app_send(self: Any, message: Any) -> None:
+        """Change 4: a chunk of a chunked HTTP/1.1 body, framed as h11 frames it, written at once."""
+        if message is not None and self.state is send_body and message["type"] == "http.response.body":
+            data = message.get("body")
+            protocol = getattr(self.send, "__self__", None)  # the H11Protocol whose stream this is
+            if data and type(data) is bytes and message.get("more_body") \
+                    and type(protocol) is H11Protocol:
+                connection = protocol.connection
+                if connection.our_state is h11.SEND_BODY and type(connection._writer) is ChunkedWriter:
+                    return await protocol.send(RawData(b"%x\r\n%b\r\n" % (len(data), data)))
+        return await app_send(self, message)
+
+    HTTPStream.app_send = _app_send  # type: ignore[method-assign]
     _INSTALLED = True
     return True
 

@@ -39,10 +39,7 @@ from quart import Quart, Response, current_app, g, make_response, request
 
 from trio_infer.api import sse
 from trio_infer.api.errors import (
-    LOADING_RETRY_AFTER_S,
-    SERVER_ERROR,
     APIError,
-    error_body,
     from_engine_error,
     internal_error,
 )
@@ -65,6 +62,7 @@ from trio_infer.api.plans import (
     render_chat,
 )
 from trio_infer.api.events import ResponseEvents
+from trio_infer.api.health import health_body, health_problem
 from trio_infer.api.anthropic_protocol import CountTokensRequest, MessagesRequest
 from trio_infer.api.messages import MessagesSerializer, count_message_tokens, plan_messages
 from trio_infer.api.responses import make_serializer as responses_serializer
@@ -106,18 +104,6 @@ def load_assets(directory: Path = STATIC_DIR) -> dict[str, tuple[bytes, str]]:
         for path in sorted(directory.iterdir())
         if path.is_file() and path.suffix in _ASSET_TYPES
     }
-
-
-def health_problem(state: ServerState) -> str | None:
-    """Why the server cannot take requests now (``/health`` answers 503 with it), or None."""
-    engine = state.engine
-    if engine is None:
-        return "loading"
-    if not engine.healthy:
-        return "the batching worker is not running (it is restarting, or has stopped)"
-    if engine.draining:
-        return "the server is shutting down"
-    return None
 
 
 def live_tasks() -> int:
@@ -309,12 +295,9 @@ def register_routes(app: Quart) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        state = server_state(app)
-        reason = health_problem(state)
-        if reason is None:
-            return json_response({"status": "ok"})
-        headers = {"Retry-After": str(LOADING_RETRY_AFTER_S)} if state.engine is None else None
-        return json_response(error_body(reason, SERVER_ERROR, code="service_unavailable"), 503, headers)
+        # Answered by api/health.py before quart unless the probe is unusual (a body, a query).
+        status, body, headers = health_body(server_state(app))
+        return json_response(body, status, headers)
 
     @app.get("/v1/status")
     async def status() -> Response:
