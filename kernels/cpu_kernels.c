@@ -1256,6 +1256,7 @@ INLINE void gemm_x8_fmt(int fmt, const uint8_t *g, int nb, int R, const int8_t *
     const size_t ch = x8_chunk(fmt);
     const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
     __m256 acc[R8];
+    _Pragma("GCC unroll 8")
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int s = 0; s < nb / 8; s++) {
         const uint8_t *c = g + (size_t)s * ch;
@@ -1269,6 +1270,7 @@ INLINE void gemm_x8_fmt(int fmt, const uint8_t *g, int nb, int R, const int8_t *
             _mm_prefetch(pf + 128, _MM_HINT_T0);
             if (fmt == FMT_Q6_K) _mm_prefetch(pf + 192, _MM_HINT_T0);
             __m256i lo[4], hi[4];
+            _Pragma("GCC unroll 4")
             for (int v = 0; v < 4; v++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(c + 128 * j + 32 * v));
                 lo[v] = _mm256_and_si256(q, low4);
@@ -1298,6 +1300,7 @@ INLINE void gemm_x8_fmt(int fmt, const uint8_t *g, int nb, int R, const int8_t *
                 mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                     _mm_loadl_epi64((const __m128i *)(c + 1120 + 8 * j)))));
             }
+            _Pragma("GCC unroll 8")
             for (int r = 0; r < R; r++) {
                 /* block b's x in the pair layout: weights 0-15 at xp, 16-31 at xp + 32 */
                 const int8_t *xp = xq + r * xb + (size_t)(b / 2) * 64 + (b % 2) * 16;
@@ -1332,6 +1335,7 @@ INLINE void gemm_x8_fmt(int fmt, const uint8_t *g, int nb, int R, const int8_t *
             }
         }
     }
+    _Pragma("GCC unroll 8")
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + X8 * r, acc[r]);
 }
 
