@@ -412,3 +412,18 @@ def test_x8_is_taken_only_where_it_is_read() -> None:
         x8.with_activations("exact")
     with pytest.raises(ValueError, match="layout"):
         q4k.with_layout("x4")
+
+
+@pytest.mark.parametrize("fmt", cpu.X8_FORMATS)
+def test_x8_rows_of_x_do_not_depend_on_their_batch(fmt: str) -> None:
+    """Each row of x is summed alone, in one order, whatever the rows around it: a row's
+    output is bitwise the same at M = 1 and inside chunks of 4 and 8 and passes of 64 (what
+    speculative decoding's verify rows rely on with int8 activations)."""
+    g = torch.Generator().manual_seed(5)
+    packed, _ = packed_random(fmt, 29, 512, g)
+    w = x8_twin(packed)
+    x = torch.randn(70, 512, generator=g)
+    whole = ops.linear(x, w)
+    for i in (0, 3, 8, 65, 69):
+        assert torch.equal(ops.linear(x[i:i + 1], w)[0], whole[i])
+    assert torch.equal(ops.linear(x[5:14], w), whole[5:14])
