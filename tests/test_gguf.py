@@ -279,6 +279,32 @@ def test_smollm2_k_quant_files_match_transformers_gguf_load(file_type: str, tmp_
 
 
 @needs_smollm2
+def test_smollm2_q4_k_m_int8_in_x8_within_tolerance(smollm2: tuple[Any, Any],
+                                                    tmp_path: Path) -> None:
+    """The default model requantized to Q4_K_M by llama.cpp (where llama-cpp-python is
+    installed), with int8 activations: its Q4_K and Q6_K weights are read in the x8 layout, and
+    the int8 tolerance of docs/kernels.md holds against the same file's exact path."""
+    from trio_infer.bench import quantized
+
+    if not quantized.available() or cpu.load() is None:
+        pytest.skip("needs llama-cpp-python (pip install '.[bench-llamacpp]') and the CPU kernels")
+    tokenizer = smollm2[1]
+    path = quantized.quantize(SMOLLM2, tmp_path / "smollm2-Q4_K_M.gguf", "Q4_K_M")
+    exact, fast = load_model(path), load_model(path, activations="int8")
+    layouts = {(p.fmt, p.layout) for m in fast.modules()
+               if (p := getattr(m, "packed", None)) is not None}
+    assert ("Q4_K", "x8") in layouts and ("Q6_K", "x8") in layouts, layouts
+    ppl, agree_at_least, _ = ACTIVATION_TOLERANCE["int8"]
+    ids = tokenizer.encode(TOLERANCE_TEXT)[:128]
+    e, a = teacher_forced(exact, ids), teacher_forced(fast, ids)
+    target = torch.tensor(ids[1:])[:, None]
+    ratio = math.exp(-a.gather(1, target).mean().item()) / math.exp(-e.gather(1, target).mean().item())
+    assert abs(ratio - 1) < ppl, ratio
+    agree = (e.argmax(-1) == a.argmax(-1)).float().mean().item()
+    assert agree >= agree_at_least, agree
+
+
+@needs_smollm2
 def test_smollm2_answers_the_capital_of_france(smollm2: tuple[Any, Any]) -> None:
     model, tokenizer = smollm2
     prompt = chat_ids(tokenizer, "What is the capital of France? Answer in one sentence.")
