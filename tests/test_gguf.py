@@ -279,6 +279,32 @@ def test_smollm2_k_quant_files_match_transformers_gguf_load(file_type: str, tmp_
 
 
 @needs_smollm2
+def test_smollm2_q4_k_m_int8_in_x8_within_tolerance(smollm2: tuple[Any, Any],
+                                                    tmp_path: Path) -> None:
+    """The default model requantized to Q4_K_M by llama.cpp (where llama-cpp-python is
+    installed), with int8 activations: its Q4_K and Q6_K weights are read in the x8 layout, and
+    the int8 tolerance of docs/kernels.md holds against the same file's exact path."""
+    from trio_infer.bench import quantized
+
+    if not quantized.available() or cpu.load() is None:
+        pytest.skip("needs llama-cpp-python (pip install '.[bench-llamacpp]') and the CPU kernels")
+    tokenizer = smollm2[1]
+    path = quantized.quantize(SMOLLM2, tmp_path / "smollm2-Q4_K_M.gguf", "Q4_K_M")
+    exact, fast = load_model(path), load_model(path, activations="int8")
+    layouts = {(p.fmt, p.layout) for m in fast.modules()
+               if (p := getattr(m, "packed", None)) is not None}
+    assert ("Q4_K", "x8") in layouts and ("Q6_K", "x8") in layouts, layouts
+    ppl, agree_at_least, _ = ACTIVATION_TOLERANCE["int8"]
+    ids = tokenizer.encode(TOLERANCE_TEXT)[:128]
+    e, a = teacher_forced(exact, ids), teacher_forced(fast, ids)
+    target = torch.tensor(ids[1:])[:, None]
+    ratio = math.exp(-a.gather(1, target).mean().item()) / math.exp(-e.gather(1, target).mean().item())
+    assert abs(ratio - 1) < ppl, ratio
+    agree = (e.argmax(-1) == a.argmax(-1)).float().mean().item()
+    assert agree >= agree_at_least, agree
+
+
+@needs_smollm2
 def test_smollm2_answers_the_capital_of_france(smollm2: tuple[Any, Any]) -> None:
     model, tokenizer = smollm2
     prompt = chat_ids(tokenizer, "What is the capital of France? Answer in one sentence.")
@@ -592,6 +618,35 @@ def test_k_quant_files_are_read_in_place(mix: str, tiny_checkpoint_factory: Chec
     ours, theirs = prefill_logits(model, prompt), prefill_logits(dense, prompt)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4 * theirs.abs().max().item())
     assert run_greedy(model, [prompt], 8) == run_greedy(dense, [prompt], 8)
+    assert_one_call_step_is_exact(model)
+    assert model.one_call_decode
+
+
+def test_k_quant_file_with_int8_activations_reads_the_x8_layout(
+        tiny_checkpoint_factory: CheckpointFactory, tmp_path: Path) -> None:
+    """With int8 activations the Q4_K and Q6_K weights of a Q4_K_M-like file (a q/k/v of Q4_K
+    and Q6_K parts, the lm_head, the embedding) are interleaved by 8 rows once loaded; the
+    model's logits are those of the same weights in the row layout to fp32 rounding, and the
+    one-call decode step is still bitwise the op-by-op step."""
+    if cpu.load() is None:
+        pytest.skip("the CPU kernels do not build here")
+    checkpoint = tiny_checkpoint_factory("LlamaForCausalLM", **KQUANT_SHAPE)
+    path = write_gguf(checkpoint, tmp_path / "q4_k_m.gguf", "F32",
+                      random_blocks_of=lambda name: q4_k_m_like(name)
+                      if name != "token_embd.weight" else "Q6_K")
+    model = load_model(path, activations="int8")
+    qkv0 = model.model.layers[0].self_attn.qkv_proj.packed
+    assert qkv0.fmt == "Q4_K+Q4_K+Q6_K" and [p.layout for p in qkv0.parts] == ["x8"] * 3
+    assert model.lm_head.packed.layout == "x8" and model.model.embed_tokens.packed.layout == "x8"
+    rows = load_model(path, activations="int8")
+    for module in rows.modules():  # the same model with every weight back in rows
+        if getattr(module, "packed", None) is not None:
+            module.packed = module.packed.with_layout("rows")
+    assert rows.model.layers[0].mlp.down_proj.packed.layout == "rows"
+
+    prompt = list(range(3, 40))
+    ours, theirs = prefill_logits(model, prompt), prefill_logits(rows, prompt)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * theirs.abs().max().item())
     assert_one_call_step_is_exact(model)
     assert model.one_call_decode
 
