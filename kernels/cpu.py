@@ -44,12 +44,19 @@ FORMATS = {
     "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
 }
 # Bumped with cpu_kernels.c's tri_abi_version whenever the ctypes boundary changes.
-ABI_VERSION = 3
+ABI_VERSION = 4
 # How the kernels multiply x with quantized weights (cpu_kernels.c, lin_activations): exact fp32;
 # or x rounded per 32-block to int16 (decode-sized products of Q4_0, Q4_1, Q4_K, Q6_K, Q8_0) or
 # to int8 (every product of every block format, llama.cpp's numerics). The tolerances are in
 # docs/kernels.md; 16-bit float weights always multiply exactly.
 ACTIVATIONS = {"exact": 0, "int16": 1, "int8": 2}
+# How a packed weight's rows lie in memory (cpu_kernels.c): "rows", each row's blocks together
+# (every kernel reads it); or "x8", groups of 8 rows interleaved so that the int8 GEMM puts one
+# output row in each SIMD lane (no horizontal sums), read only with int8 activations, for the
+# formats in X8_FORMATS. One layout per tensor, converted in place: never two copies.
+LAYOUTS = ("rows", "x8")
+X8_FORMATS = ("Q4_K", "Q6_K")
+_FMT_X8 = 0x100  # cpu_kernels.c's FMT_X8 flag on a tri_lin format
 
 
 class BuildError(RuntimeError):
@@ -158,10 +165,17 @@ class PackedWeight:
     in_features: int
     # One of ACTIVATIONS: how x is multiplied with these weights.
     activations: str = "exact"
+    # One of LAYOUTS; "x8" only for X8_FORMATS with int8 activations (see with_layout).
+    layout: str = "rows"
 
     def __post_init__(self) -> None:
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"activations {self.activations!r}: one of {', '.join(ACTIVATIONS)}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r}: one of {', '.join(LAYOUTS)}")
+        if self.layout == "x8" and (self.fmt not in X8_FORMATS or self.activations != "int8"):
+            raise ValueError(f"the x8 layout is read only with int8 activations, for "
+                             f"{', '.join(X8_FORMATS)} (not {self.fmt} with {self.activations})")
 
     @classmethod
     def from_blocks(cls, fmt: str, blocks: torch.Tensor | np.ndarray, in_features: int,
@@ -202,6 +216,21 @@ class PackedWeight:
     def with_activations(self, activations: str) -> PackedWeight:
         return dataclasses.replace(self, activations=activations)
 
+    def with_layout(self, layout: str) -> PackedWeight:
+        """This weight in ``layout``, its bytes converted **in place** (the same memory, never a
+        second copy; this descriptor no longer describes them, so the caller replaces it
+        everywhere it is held). "x8" is taken by the formats in :data:`X8_FORMATS` with int8
+        activations and at least 8 rows; any other weight stays in rows."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r}: one of {', '.join(LAYOUTS)}")
+        if layout == "x8" and (self.fmt not in X8_FORMATS or self.activations != "int8"
+                               or self.out_features < 8):
+            layout = "rows"
+        if layout == self.layout:
+            return self
+        _kernels().relayout(self, to_x8=layout == "x8", threads=torch.get_num_threads())
+        return dataclasses.replace(self, layout=layout)
+
 
 @dataclass(frozen=True)
 class PackedParts:
@@ -241,6 +270,15 @@ class PackedParts:
         16-bit floats; cpu_kernels.c, lin_activations)."""
         return PackedParts(tuple(p.with_activations(activations) for p in self.parts))
 
+    @property
+    def layout(self) -> str:
+        return "x8" if any(p.layout == "x8" for p in self.parts) else "rows"
+
+    def with_layout(self, layout: str) -> PackedParts:
+        """Asked of every part, each converted in place where it takes it (see
+        :meth:`PackedWeight.with_layout`)."""
+        return PackedParts(tuple(p.with_layout(layout) for p in self.parts))
+
 
 Packed = PackedWeight | PackedParts
 
@@ -271,7 +309,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _I), ("H", _I), ("Hq", _I), ("Hkv", _I), ("D", _I), ("I", _I),
                 ("page_size", _I), ("kv_f16", _I), ("eps", _F), ("scale", _F),
-                ("embed_fmt", _I), ("embed", _P), ("embed_row_bytes", _SZ),
+                ("embed_fmt", _I), ("embed", _P), ("embed_row_bytes", _SZ), ("embed_rows", _I64),
                 ("final_norm", _P), ("lm_head", _Lin), ("cos_sin", _P),
                 ("layers", ctypes.POINTER(_Layer))]
 
@@ -280,11 +318,16 @@ def _lin(w: Packed, bias: torch.Tensor | None) -> _Lin:
     lin = _Lin(len(w.parts), w.in_features, w.out_features, _ptr(bias),
                ACTIVATIONS[w.activations])
     for i, part in enumerate(w.parts):
-        lin.fmt[i] = FORMATS[part.fmt]
+        lin.fmt[i] = _fmt_code(part)
         lin.w[i] = part.data.data_ptr()
         lin.row_bytes[i] = part.data.stride(0)
         lin.rows[i] = part.out_features
     return lin
+
+
+def _fmt_code(w: PackedWeight) -> int:
+    """The format as cpu_kernels.c takes it: the ggml type id, with FMT_X8 for the x8 layout."""
+    return FORMATS[w.fmt] | (_FMT_X8 if w.layout == "x8" else 0)
 
 
 def _kv_f16(cache: torch.Tensor) -> int:
@@ -307,7 +350,8 @@ class CpuKernels:
             "tri_native_row_bytes": (_SZ, [_I, _I]),
             "tri_pack": (_I, [_I, _P, _I64, _I, _P, _I]),
             "tri_linear": (_I, [ctypes.POINTER(_Lin), _P, _I, _P, _I]),
-            "tri_dequant_rows": (_I, [_I, _P, _SZ, _P, _I, _I, _P]),
+            "tri_dequant_rows": (_I, [_I, _P, _SZ, _P, _I, _I, _P, _I64]),
+            "tri_relayout": (_I, [_I, _P, _I64, _I, _SZ, _I, _I]),
             "tri_rms_norm": (None, [_P, _P, _P, _P, _I, _I, _F, _P, _I]),
             "tri_silu_and_mul": (None, [_P, _I, _I, _P, _I]),
             "tri_rope_store": (
@@ -361,12 +405,25 @@ class CpuKernels:
     def dequant_rows(self, w: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` (int64) of a packed weight, as fp32 [len(rows), K]."""
         out = torch.empty(rows.shape[0], w.in_features, dtype=torch.float32)
-        rc = self._lib.tri_dequant_rows(FORMATS[w.fmt], w.data.data_ptr(), w.data.stride(0),
+        rc = self._lib.tri_dequant_rows(_fmt_code(w), w.data.data_ptr(), w.data.stride(0),
                                         rows.data_ptr(), rows.shape[0], w.in_features,
-                                        out.data_ptr())
+                                        out.data_ptr(), w.out_features)
+        if rc == -2:
+            raise MemoryError("tri_dequant_rows could not allocate its scratch")
         if rc != 0:
             raise ValueError(f"tri_dequant_rows rejected {w.fmt} rows of {w.in_features}")
         return out
+
+    def relayout(self, w: PackedWeight, to_x8: bool, threads: int) -> None:
+        """``w``'s bytes, in place, from the row layout to x8 (``to_x8``) or back."""
+        if not w.data.is_contiguous():
+            raise ValueError("only a contiguous packed weight changes layout")
+        rc = self._lib.tri_relayout(FORMATS[w.fmt], w.data.data_ptr(), w.out_features,
+                                    w.in_features, w.data.stride(0), int(to_x8), threads)
+        if rc == -2:
+            raise MemoryError("tri_relayout could not allocate its scratch")
+        if rc != 0:
+            raise ValueError(f"{w.fmt} [{w.out_features}, {w.in_features}] has no x8 layout")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None, threads: int,
@@ -473,13 +530,14 @@ class DecodeStep:
         hidden = w.layers[0].input_norm.shape[0]
         inter = w.layers[0].down[0].in_features
         if isinstance(w.embed, PackedWeight):
-            embed_fmt, embed, row = FORMATS[w.embed.fmt], w.embed.data, w.embed.data.stride(0)
+            embed_fmt, embed, row = _fmt_code(w.embed), w.embed.data, w.embed.data.stride(0)
         else:
             embed_fmt, embed, row = 0, w.embed, w.embed.stride(0) * 4
         self.kv_dtype = kv_dtype
         self._model = _Model(len(w.layers), hidden, w.num_heads, w.num_kv_heads, w.head_dim, inter,
                              page_size, int(kv_dtype == torch.float16), w.eps, w.head_dim**-0.5,
-                             embed_fmt, embed.data_ptr(), row, w.final_norm.data_ptr(),
+                             embed_fmt, embed.data_ptr(), row, embed.shape[0],
+                             w.final_norm.data_ptr(),
                              _lin(w.lm_head, None), w.cos_sin.data_ptr(), layers)
         if not lib.tri_model_valid(ctypes.byref(self._model)):
             raise ValueError("tri_model_valid rejected the decoder's description")

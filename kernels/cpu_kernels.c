@@ -49,7 +49,7 @@ enum {
 };
 
 /* Bumped whenever a struct or signature of the ctypes boundary changes; kernels/cpu.py checks it. */
-int tri_abi_version(void) { return 3; }
+int tri_abi_version(void) { return 4; }
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -277,6 +277,184 @@ int tri_pack(int fmt, const uint8_t *src, int64_t rows, int K, uint8_t *dst, int
     for (int64_t r = 0; r < rows; r++)
         pack_row(fmt, src + (size_t)r * in, K, dst + (size_t)r * out);
     return 0;
+}
+
+/* -- the 8-row interleaved layout (x8) ---------------------------------------------------------
+ *
+ * Why: the int8 GEMM over the row layout ends each (weight row, x row, 8 blocks) with a float
+ * reduction of 8 blocks' integer sums (3 hadd, a permute, a convert, two FMAs), as much work as
+ * the products themselves. Interleaving 8 weight rows so that 32-bit lane r of a vector holds 4
+ * consecutive codes of row r (llama.cpp's repacked block_q4_Kx8) lets one vpdpbusd against 4
+ * bytes of x broadcast to every lane accumulate 8 output rows at once: no horizontal sum, and
+ * the scales of 8 rows are applied as one vector. Only the int8 path reads it (lin_valid), for
+ * Q4_K and Q6_K (the bytes of a Q4_K_M file); the layout is chosen per tensor when a model is
+ * loaded for int8 activations (kernels/cpu.py, PackedWeight.with_layout).
+ *
+ * A part's first rows / 8 * 8 rows are groups of 8, each group taking the bytes of its 8 rows
+ * (so sizes, row offsets and the concatenation of parts are those of the row layout); the last
+ * rows % 8 stay in the row layout. A group is a chunk per super-block (256 weights), holding:
+ *   Q4_K (8 * 148 B): per block j of the 8: 128 B of codes; then fp16 d[8 rows], fp16
+ *        dmin[8], uint8 sc[block j][row r] (64 B), uint8 mn[j][r] (64 B).
+ *   Q6_K (8 * 210 B): per block: 128 B of codes; per block: 64 B of bits 4-5; then fp16 d[8],
+ *        int8 scales of the first halves [j][r] (64 B), of the second halves [j][r] (64 B).
+ * A block's 128 B of codes are 4 vectors of 32 B; vector v's bytes 4r..4r+3 are row r's nibble
+ * bytes 4v..4v+3 of the row layout: low nibbles weights 4v..4v+3, high nibbles 16+4v..16+4v+3.
+ * Q6_K's bits 4-5 are 2 vectors: byte 4r+i of the first holds in bits 2v, 2v+1 those of row r's
+ * weight 4v+i, the second those of weight 16+4v+i. */
+
+#define X8 8
+#define FMT_X8 0x100  /* in tri_lin.fmt: the part is in the x8 layout */
+
+static inline int x8_format(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q6_K; }
+
+/* Bytes of one super-block's chunk of a group. */
+static inline size_t x8_chunk(int fmt) { return fmt == FMT_Q6_K ? 8 * 210 : 8 * 148; }
+
+/* A row-layout block's natural codes (0..63) into q[32]. */
+static void row_block_codes(int fmt, const uint8_t *row, int nb, int b, uint8_t q[32]) {
+    const uint8_t *nib = row + 16 * (size_t)b;
+    for (int j = 0; j < 16; j++) {
+        q[j] = nib[j] & 15;
+        q[j + 16] = nib[j] >> 4;
+    }
+    if (fmt == FMT_Q6_K) {
+        const uint8_t *h = row_planes(fmt, row, nb) + 8 * (size_t)b;
+        for (int i = 0; i < 8; i++)
+            for (int j = 0; j < 4; j++) q[i + 8 * j] |= (uint8_t)(((h[i] >> (2 * j)) & 3) << 4);
+    }
+}
+
+/* 8 row-layout rows (``rows``, rb bytes apart) -> one x8 group (``g``, 8 * rb bytes). */
+static void x8_from_rows(int fmt, const uint8_t *rows, size_t rb, int nb, uint8_t *g) {
+    const size_t ch = x8_chunk(fmt);
+    for (int s = 0; s < nb / 8; s++) {
+        uint8_t *c = g + (size_t)s * ch;
+        for (int r = 0; r < X8; r++) {
+            const uint8_t *row = rows + r * rb;
+            const uint8_t *meta = row_meta(fmt, row, nb) + (size_t)s * (fmt == FMT_Q6_K ? 18 : 20);
+            for (int j = 0; j < 8; j++) {
+                const int b = 8 * s + j;
+                for (int v = 0; v < 4; v++)
+                    memcpy(c + 128 * j + 32 * v + 4 * r, row + 16 * (size_t)b + 4 * v, 4);
+                if (fmt == FMT_Q6_K) {
+                    uint8_t q[32];
+                    row_block_codes(fmt, row, nb, b, q);
+                    uint8_t *h = c + 1024 + 64 * j;
+                    for (int i = 0; i < 4; i++) {
+                        uint8_t lo = 0, hi = 0;
+                        for (int v = 0; v < 4; v++) {
+                            lo |= (uint8_t)((q[4 * v + i] >> 4) << (2 * v));
+                            hi |= (uint8_t)((q[16 + 4 * v + i] >> 4) << (2 * v));
+                        }
+                        h[4 * r + i] = lo;
+                        h[32 + 4 * r + i] = hi;
+                    }
+                }
+            }
+            if (fmt == FMT_Q6_K) {
+                memcpy(c + 1536 + 2 * r, meta, 2);
+                for (int j = 0; j < 8; j++) {
+                    c[1552 + 8 * j + r] = meta[2 + j];
+                    c[1616 + 8 * j + r] = meta[10 + j];
+                }
+            } else {
+                memcpy(c + 1024 + 2 * r, meta, 2);
+                memcpy(c + 1040 + 2 * r, meta + 2, 2);
+                for (int j = 0; j < 8; j++) {
+                    c[1056 + 8 * j + r] = meta[4 + j];
+                    c[1120 + 8 * j + r] = meta[12 + j];
+                }
+            }
+        }
+    }
+}
+
+/* Row r of an x8 group -> its row-layout bytes (``row``, rb bytes). */
+static void x8_to_row(int fmt, const uint8_t *g, int r, int nb, uint8_t *row) {
+    const size_t ch = x8_chunk(fmt);
+    uint8_t *planes = row + (size_t)nb * 16;
+    uint8_t *meta = row + (size_t)nb * (16 + plane_bytes(fmt));
+    for (int s = 0; s < nb / 8; s++) {
+        const uint8_t *c = g + (size_t)s * ch;
+        for (int j = 0; j < 8; j++) {
+            const int b = 8 * s + j;
+            for (int v = 0; v < 4; v++)
+                memcpy(row + 16 * (size_t)b + 4 * v, c + 128 * j + 32 * v + 4 * r, 4);
+            if (fmt == FMT_Q6_K) {
+                const uint8_t *h = c + 1024 + 64 * j;
+                uint8_t q[32];
+                for (int i = 0; i < 4; i++)
+                    for (int v = 0; v < 4; v++) {
+                        q[4 * v + i] = (h[4 * r + i] >> (2 * v)) & 3;
+                        q[16 + 4 * v + i] = (h[32 + 4 * r + i] >> (2 * v)) & 3;
+                    }
+                uint8_t *p = planes + 8 * (size_t)b;
+                for (int i = 0; i < 8; i++) {
+                    uint8_t w = 0;
+                    for (int jj = 0; jj < 4; jj++) w |= (uint8_t)(q[i + 8 * jj] << (2 * jj));
+                    p[i] = w;
+                }
+            }
+        }
+        if (fmt == FMT_Q6_K) {
+            uint8_t *m = meta + (size_t)s * 18;
+            memcpy(m, c + 1536 + 2 * r, 2);
+            for (int j = 0; j < 8; j++) {
+                m[2 + j] = c[1552 + 8 * j + r];
+                m[10 + j] = c[1616 + 8 * j + r];
+            }
+        } else {
+            uint8_t *m = meta + (size_t)s * 20;
+            memcpy(m, c + 1024 + 2 * r, 2);
+            memcpy(m + 2, c + 1040 + 2 * r, 2);
+            for (int j = 0; j < 8; j++) {
+                m[4 + j] = c[1056 + 8 * j + r];
+                m[12 + j] = c[1120 + 8 * j + r];
+            }
+        }
+    }
+}
+
+/* Packed rows [rows, row_bytes] of ``fmt`` converted in place between the row layout and x8
+ * (``to_x8``: 1 rows -> x8, 0 back). Returns 0, or -1 for a format without x8 or a bad size. */
+int tri_relayout(int fmt, uint8_t *data, int64_t rows, int K, size_t row_bytes, int to_x8,
+                 int nthreads) {
+    const size_t rb = tri_row_bytes(fmt, K);
+    if (!x8_format(fmt) || rb == 0 || row_bytes != rb || rows < 0)
+        return -1;
+    const int nb = K / 32;
+    const int64_t groups = rows / X8;
+    int rc = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        uint8_t *tmp = malloc(X8 * rb);
+        if (!tmp) {
+            #pragma omp atomic write
+            rc = -2;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            if (!tmp) continue;
+            uint8_t *at = data + (size_t)g * X8 * rb;
+            memcpy(tmp, at, X8 * rb);
+            if (to_x8)
+                x8_from_rows(fmt, tmp, rb, nb, at);
+            else
+                for (int r = 0; r < X8; r++) x8_to_row(fmt, tmp, r, nb, at + r * rb);
+        }
+        free(tmp);
+    }
+    return rc;
+}
+
+/* Row n of a packed tensor (``fmt`` with FMT_X8 where it is in the x8 layout of ``rows`` rows)
+ * in the row layout: the row itself, or copied out of its group into ``buf`` (rb bytes). */
+static const uint8_t *row_in_row_layout(int fmt, const uint8_t *w, size_t rb, int64_t rows,
+                                        int64_t n, int K, uint8_t *buf) {
+    if (!(fmt & FMT_X8) || n >= rows / X8 * X8)
+        return w + (size_t)n * rb;
+    x8_to_row(fmt & 0xFF, w + (size_t)(n / X8) * X8 * rb, (int)(n % X8), K / 32, buf);
+    return buf;
 }
 
 /* -- reading packed blocks ------------------------------------------------------------------------ */
@@ -1049,6 +1227,141 @@ static void dot_rows_q8(int fmt, const uint8_t *row, size_t rb, int nb, int R, c
     }
 }
 
+/* -- the int8 GEMM over the x8 layout ------------------------------------------------------------
+ *
+ * 8 weight rows (one group) times up to R8 rows of x. Per block of 32 weights, its codes are
+ * unpacked once into 8 vectors (4 of low nibbles: weights 4v..4v+3 of each row; 4 of high
+ * nibbles: 16+4v..), then for each row of x 8 vpdpbusd against 4 bytes of x broadcast to every
+ * lane give lane r row r's integer sum: no horizontal reduction. The block's scale (per row, a
+ * vector) times x's block scale and one FMA take it to fp32.
+ *   Q4_K: acc += float(sum) * (d sc * dx) + (-dmin mn) * xs, xs the sum of the rounded x (as
+ *         the row-layout kernel: then the error cancels as the weights are centred).
+ *   Q6_K: each half's sum starts at -32 * (the half's integer sum of x), so it is the sum of
+ *         (code - 32) * x; sum_lo * sc_lo + sum_hi * sc_hi stays an integer (|.| < 2^31), then
+ *         acc += float(it) * (d * dx).
+ * The sums are the row-layout kernel's up to the order of the float additions. */
+
+/* Per row of x, per block: the integer sums of the rounded x over weights 0-15 and 16-31. */
+#define XI_PER_BLOCK 2
+
+INLINE __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+INLINE void gemm_x8_fmt(int fmt, const uint8_t *g, int nb, int R, const int8_t *xq, size_t xb,
+                        const float *dx, const float *xs, size_t xsb, const int32_t *xi,
+                        float *out) {
+    const size_t ch = x8_chunk(fmt);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+    __m256 acc[R8];
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int s = 0; s < nb / 8; s++) {
+        const uint8_t *c = g + (size_t)s * ch;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c + (fmt == FMT_Q6_K ? 1536 : 1024))));
+        const __m256 dmin = fmt == FMT_Q6_K ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c + 1040)));
+        for (int j = 0; j < 8; j++) {
+            const int b = 8 * s + j;
+            const char *pf = (const char *)c + PREFETCH_AHEAD + ch / 8 * j;
+            _mm_prefetch(pf, _MM_HINT_T0);
+            _mm_prefetch(pf + 64, _MM_HINT_T0);
+            _mm_prefetch(pf + 128, _MM_HINT_T0);
+            if (fmt == FMT_Q6_K) _mm_prefetch(pf + 192, _MM_HINT_T0);
+            __m256i lo[4], hi[4];
+            _Pragma("GCC unroll 4")
+            for (int v = 0; v < 4; v++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(c + 128 * j + 32 * v));
+                lo[v] = _mm256_and_si256(q, low4);
+                hi[v] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+            }
+            __m256 scale, mins = _mm256_setzero_ps();
+            __m256i sc_lo = _mm256_setzero_si256(), sc_hi = sc_lo;
+            if (fmt == FMT_Q6_K) {
+                const __m256i ha = _mm256_loadu_si256((const __m256i *)(c + 1024 + 64 * j));
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(c + 1024 + 64 * j + 32));
+                /* bits 2v, 2v + 1 of each byte to bits 4-5 (16-bit shifts: the mask keeps only
+                 * the byte's own bits) */
+                lo[0] = _mm256_or_si256(lo[0], _mm256_and_si256(_mm256_slli_epi16(ha, 4), bits45));
+                lo[1] = _mm256_or_si256(lo[1], _mm256_and_si256(_mm256_slli_epi16(ha, 2), bits45));
+                lo[2] = _mm256_or_si256(lo[2], _mm256_and_si256(ha, bits45));
+                lo[3] = _mm256_or_si256(lo[3], _mm256_and_si256(_mm256_srli_epi16(ha, 2), bits45));
+                hi[0] = _mm256_or_si256(hi[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), bits45));
+                hi[1] = _mm256_or_si256(hi[1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), bits45));
+                hi[2] = _mm256_or_si256(hi[2], _mm256_and_si256(hb, bits45));
+                hi[3] = _mm256_or_si256(hi[3], _mm256_and_si256(_mm256_srli_epi16(hb, 2), bits45));
+                sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 1552 + 8 * j)));
+                sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 1616 + 8 * j)));
+                scale = d;
+            } else {
+                scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(c + 1056 + 8 * j)))));
+                mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(c + 1120 + 8 * j)))));
+            }
+            _Pragma("GCC unroll 8")
+            for (int r = 0; r < R; r++) {
+                /* block b's x in the pair layout: weights 0-15 at xp, 16-31 at xp + 32 */
+                const int8_t *xp = xq + r * xb + (size_t)(b / 2) * 64 + (b % 2) * 16;
+                __m256i a0, a1, h0, h1;
+                if (fmt == FMT_Q6_K) {
+                    const int32_t *xr = xi + ((size_t)r * nb + b) * XI_PER_BLOCK;
+                    a0 = _mm256_set1_epi32(-32 * xr[0]);
+                    h0 = _mm256_set1_epi32(-32 * xr[1]);
+                } else {
+                    a0 = h0 = _mm256_setzero_si256();
+                }
+                a1 = h1 = _mm256_setzero_si256();
+                a0 = dpbusd(a0, lo[0], bcast4(xp));
+                a1 = dpbusd(a1, lo[1], bcast4(xp + 4));
+                h0 = dpbusd(h0, hi[0], bcast4(xp + 32));
+                h1 = dpbusd(h1, hi[1], bcast4(xp + 36));
+                a0 = dpbusd(a0, lo[2], bcast4(xp + 8));
+                a1 = dpbusd(a1, lo[3], bcast4(xp + 12));
+                h0 = dpbusd(h0, hi[2], bcast4(xp + 40));
+                h1 = dpbusd(h1, hi[3], bcast4(xp + 44));
+                const __m256 dxv = _mm256_set1_ps(dx[(size_t)r * nb + b]);
+                if (fmt == FMT_Q6_K) {
+                    const __m256i t = _mm256_add_epi32(
+                        _mm256_mullo_epi32(_mm256_add_epi32(a0, a1), sc_lo),
+                        _mm256_mullo_epi32(_mm256_add_epi32(h0, h1), sc_hi));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(scale, dxv), acc[r]);
+                } else {
+                    const __m256i t = _mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(h0, h1));
+                    const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(scale, dxv), acc[r]);
+                    acc[r] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(xs[r * xsb + b]), a);
+                }
+            }
+        }
+    }
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + X8 * r, acc[r]);
+}
+
+/* With R a constant in each case, so acc[] lives in registers. */
+#define GEMM_X8_CASES(F) \
+    switch (R) { \
+    case 1: gemm_x8_fmt(F, g, nb, 1, xq, xb, dx, xs, xsb, xi, out); break; \
+    case 2: gemm_x8_fmt(F, g, nb, 2, xq, xb, dx, xs, xsb, xi, out); break; \
+    case 3: gemm_x8_fmt(F, g, nb, 3, xq, xb, dx, xs, xsb, xi, out); break; \
+    case 4: gemm_x8_fmt(F, g, nb, 4, xq, xb, dx, xs, xsb, xi, out); break; \
+    case 5: gemm_x8_fmt(F, g, nb, 5, xq, xb, dx, xs, xsb, xi, out); break; \
+    case 6: gemm_x8_fmt(F, g, nb, 6, xq, xb, dx, xs, xsb, xi, out); break; \
+    case 7: gemm_x8_fmt(F, g, nb, 7, xq, xb, dx, xs, xsb, xi, out); break; \
+    default: gemm_x8_fmt(F, g, nb, 8, xq, xb, dx, xs, xsb, xi, out); break; \
+    }
+
+/* out[r * 8 + i] = dot(row i of group g, x row r) for r < R (see gemm_x8_fmt). */
+static void gemm_x8(int fmt, const uint8_t *g, int nb, int R, const int8_t *xq, size_t xb,
+                    const float *dx, const float *xs, size_t xsb, const int32_t *xi, float *out) {
+    if (fmt == FMT_Q6_K) {
+        GEMM_X8_CASES(FMT_Q6_K)
+    } else {
+        GEMM_X8_CASES(FMT_Q4_K)
+    }
+}
+
 /* -- linear layers -------------------------------------------------------------------------------
  *
  * The pieces below run inside a parallel region their caller opens: their loops are orphaned
@@ -1092,7 +1405,7 @@ enum { ACT_EXACT = 0, ACT_INT16 = 1, ACT_INT8 = 2 };
 static int lin_activations(const tri_lin *L) {
     if (L->activations == ACT_INT8) {
         for (int p = 0; p < L->nparts; p++)
-            if (is_16bit(L->fmt[p]))
+            if (is_16bit(L->fmt[p] & 0xFF))
                 return ACT_EXACT;
         return ACT_INT8;
     }
@@ -1109,8 +1422,13 @@ static int lin_valid(const tri_lin *L) {
         return 0;
     int n = 0;
     for (int p = 0; p < L->nparts; p++) {
-        const size_t need = tri_row_bytes(L->fmt[p], L->K);
-        if (need == 0 || L->row_bytes[p] < need || L->rows[p] < 0 || !L->w[p])
+        const int fmt = L->fmt[p] & 0xFF, x8 = (L->fmt[p] & FMT_X8) != 0;
+        const size_t need = tri_row_bytes(fmt, L->K);
+        if (need == 0 || L->row_bytes[p] < need || L->rows[p] < 0 || !L->w[p]
+            || (L->fmt[p] & ~(0xFF | FMT_X8)))
+            return 0;
+        /* x8: only the int8 kernels read it, and its groups are whole rows apart */
+        if (x8 && (!x8_format(fmt) || L->activations != ACT_INT8 || L->row_bytes[p] != need))
             return 0;
         n += L->rows[p];
     }
@@ -1208,38 +1526,86 @@ static void linear_tiles_omp(const tri_lin *L, const float *x, int M, float *y, 
 typedef struct {
     float *xsum, *dx, *tiles;
     uint8_t *qx;
+    int32_t *xi;  /* int8 x's integer half-block sums (the x8 Q6_K kernel's -32) */
 } lin_scratch;
 
 static int scratch_alloc(lin_scratch *s, int M, int K, int threads) {
+    s->xi = malloc((size_t)M * (K / 32) * XI_PER_BLOCK * sizeof(int32_t) + 1);
     s->xsum = malloc((size_t)M * (K / 32) * XSUM_PER_BLOCK * sizeof(float));
     s->dx = malloc((size_t)M * (K / 32) * sizeof(float));
     s->qx = aligned_alloc(64, (size_t)M * qx_row_bytes(K));
     s->tiles = aligned_alloc(64, (size_t)threads * NT * K * sizeof(float));
-    return s->xsum && s->dx && s->qx && s->tiles;
+    return s->xi && s->xsum && s->dx && s->qx && s->tiles;
 }
 
 static void scratch_free(lin_scratch *s) {
-    free(s->xsum); free(s->dx); free(s->qx); free(s->tiles);
+    free(s->xi); free(s->xsum); free(s->dx); free(s->qx); free(s->tiles);
+}
+
+/* The integer half-block sums of a prepared int8 row (pair layout), for the x8 Q6_K kernel. */
+static void half_sums_q8(const int8_t *xq, int nb, int32_t *xi) {
+    for (int b = 0; b < nb; b++) {
+        const int8_t *lo = xq + (size_t)(b / 2) * 64 + (b % 2) * 16, *hi = lo + 32;
+        int32_t a = 0, h = 0;
+        for (int i = 0; i < 16; i++) { a += lo[i]; h += hi[i]; }
+        xi[XI_PER_BLOCK * b] = a;
+        xi[XI_PER_BLOCK * b + 1] = h;
+    }
+}
+
+/* Row n of W moved back to the start of its x8 group where it falls in one, so that threads
+ * share out whole groups (every thread rounds the same boundaries the same way). */
+static int x8_group_start(const tri_lin *L, int n) {
+    int p = 0, at = 0;
+    while (p + 1 < L->nparts && n - at >= L->rows[p]) at += L->rows[p++];
+    const int i = n - at;
+    if ((L->fmt[p] & FMT_X8) && i < L->rows[p] / X8 * X8)
+        return at + i / X8 * X8;
+    return n;
 }
 
 /* Any number of rows with int8 activations: every row of x prepared (block sums, int8 rows),
  * then each thread's weight rows multiplied with R8 rows of x at a time, MB rows of x per pass
- * (a pass's prepared x stays in L2). */
+ * (a pass's prepared x stays in L2): a group of 8 rows of an x8 part by gemm_x8, any other row
+ * by dot_rows_q8. */
 static void linear_q8_omp(const tri_lin *L, const float *x, int M, float *y, const lin_scratch *s) {
     const int K = L->K, N = L->N, nb = K / 32;
     const size_t xb = q8_row_bytes(K), xsb = (size_t)nb * XSUM_PER_BLOCK;
     int8_t *qx = (int8_t *)s->qx;
+    int any_x8 = 0;
+    for (int p = 0; p < L->nparts; p++) any_x8 |= (L->fmt[p] & FMT_X8) != 0;
     #pragma omp for schedule(static)
-    for (int m = 0; m < M; m++)
+    for (int m = 0; m < M; m++) {
         quantize_row_q8(x + (size_t)m * K, K, qx + m * xb, s->dx + (size_t)m * nb, s->xsum + m * xsb);
+        if (any_x8) half_sums_q8(qx + m * xb, nb, s->xi + (size_t)m * nb * XI_PER_BLOCK);
+    }
     int n0, n1;
     lin_rows_of_thread(L, &n0, &n1);
+    n0 = x8_group_start(L, n0);
+    n1 = x8_group_start(L, n1);
     for (int m0 = 0; m0 < M; m0 += MB) {
         const int m1 = m0 + MB < M ? m0 + MB : M;
-        for (int n = n0; n < n1; n++) {
-            int fmt;
-            size_t rb;
-            const uint8_t *row = lin_row(L, n, &fmt, &rb);
+        for (int n = n0; n < n1;) {
+            int p = 0, i = n;
+            while (p + 1 < L->nparts && i >= L->rows[p]) i -= L->rows[p++];
+            const int fmt = L->fmt[p] & 0xFF;
+            const size_t rb = L->row_bytes[p];
+            const uint8_t *row = L->w[p] + (size_t)i * rb;
+            if ((L->fmt[p] & FMT_X8) && i < L->rows[p] / X8 * X8) {
+                for (int r0 = m0; r0 < m1; r0 += R8) {
+                    const int R = m1 - r0 < R8 ? m1 - r0 : R8;
+                    float out[R8 * X8];
+                    gemm_x8(fmt, row, nb, R, qx + r0 * xb, xb, s->dx + (size_t)r0 * nb,
+                            s->xsum + r0 * xsb, xsb, s->xi + (size_t)r0 * nb * XI_PER_BLOCK, out);
+                    for (int r = 0; r < R; r++) {
+                        float *yr = y + (size_t)(r0 + r) * N + n;
+                        for (int t = 0; t < X8; t++)
+                            yr[t] = out[X8 * r + t] + (L->bias ? L->bias[n + t] : 0.0f);
+                    }
+                }
+                n += X8;
+                continue;
+            }
             for (int r0 = m0; r0 < m1; r0 += R8) {
                 const int R = m1 - r0 < R8 ? m1 - r0 : R8;
                 float out[R8];
@@ -1248,6 +1614,7 @@ static void linear_q8_omp(const tri_lin *L, const float *x, int M, float *y, con
                 for (int r = 0; r < R; r++)
                     y[(size_t)(r0 + r) * N + n] = out[r] + (L->bias ? L->bias[n] : 0.0f);
             }
+            n++;
         }
     }
     #pragma omp barrier
@@ -1290,11 +1657,19 @@ int tri_linear(const tri_lin *L, const float *x, int M, float *y, int nthreads) 
 /* Rows of one packed tensor -> fp32 (the embedding lookup of a quantized table). Returns 0, or
  * -1 for a format or K the kernels do not take. */
 int tri_dequant_rows(int fmt, const uint8_t *w, size_t row_bytes, const int64_t *rows, int n,
-                     int K, float *out) {
-    if (tri_row_bytes(fmt, K) == 0 || row_bytes < tri_row_bytes(fmt, K))
+                     int K, float *out, int64_t total_rows) {
+    const int base = fmt & 0xFF;
+    const size_t rb = tri_row_bytes(base, K);
+    if (rb == 0 || row_bytes < rb || (fmt & ~(0xFF | FMT_X8))
+        || ((fmt & FMT_X8) && (!x8_format(base) || row_bytes != rb)))
         return -1;
+    uint8_t *buf = (fmt & FMT_X8) ? malloc(rb) : NULL;
+    if ((fmt & FMT_X8) && !buf)
+        return -2;
     for (int i = 0; i < n; i++)
-        dequant_row(fmt, w + (size_t)rows[i] * row_bytes, K, out + (size_t)i * K);
+        dequant_row(base, row_in_row_layout(fmt, w, row_bytes, total_rows, rows[i], K, buf), K,
+                    out + (size_t)i * K);
+    free(buf);
     return 0;
 }
 
@@ -1524,9 +1899,10 @@ typedef struct {
     int num_layers, H, Hq, Hkv, D, I, page_size;
     int kv_f16;               /* the KV cache's values are fp16 (else fp32) */
     float eps, scale;
-    int embed_fmt;            /* a block format, or 0: fp32 rows of H floats */
+    int embed_fmt;            /* a block format (with FMT_X8 in that layout), or 0: fp32 rows of H floats */
     const uint8_t *embed;
     size_t embed_row_bytes;
+    int64_t embed_rows;       /* the table's rows (where its x8 groups end) */
     const float *final_norm;
     tri_lin lm_head;
     const float *cos_sin;
@@ -1562,7 +1938,9 @@ int tri_decode_step(const tri_model *m, void *const *k_caches, void *const *v_ca
     for (int b = 0; b < B; b++) {
         float *row = residual + (size_t)b * H;  /* the embedding is layer 0's residual */
         if (m->embed_fmt)
-            dequant_row(m->embed_fmt, m->embed + (size_t)ids[b] * m->embed_row_bytes, H, row);
+            dequant_row(m->embed_fmt & 0xFF,
+                        row_in_row_layout(m->embed_fmt, m->embed, m->embed_row_bytes, m->embed_rows,
+                                          ids[b], H, s.qx /* free until the first linear */), H, row);
         else
             memcpy(row, m->embed + (size_t)ids[b] * m->embed_row_bytes, (size_t)H * sizeof(float));
     }
@@ -1611,7 +1989,9 @@ int tri_model_valid(const tri_model *m) {
     const int H = m->H, QKV = (m->Hq + 2 * m->Hkv) * m->D;
     if (m->num_layers < 1 || m->D % 8 || m->Hkv < 1 || m->Hq % m->Hkv || m->page_size < 1)
         return 0;
-    if (m->embed_fmt && tri_row_bytes(m->embed_fmt, H) == 0)
+    if (m->embed_fmt && (tri_row_bytes(m->embed_fmt & 0xFF, H) == 0 || (m->embed_fmt & ~(0xFF | FMT_X8))
+                         || ((m->embed_fmt & FMT_X8) && (!x8_format(m->embed_fmt & 0xFF)
+                                                          || m->embed_row_bytes != tri_row_bytes(m->embed_fmt & 0xFF, H)))))
         return 0;
     if (!lin_valid(&m->lm_head) || m->lm_head.K != H)
         return 0;

@@ -332,3 +332,98 @@ def test_decode_attention_refuses_a_context_past_its_bounds() -> None:
         ops.decode_attention(q, k_cache, v_cache, table, torch.tensor([9]), 1.0)  # 2 pages: 8
     with pytest.raises(ValueError, match="context length"):
         ops.decode_attention(q, k_cache, v_cache, table, torch.tensor([5]), 1.0, max_seq_len=4)
+
+
+# --- the 8-row interleaved layout (x8) of the int8 GEMM ---------------------------------------
+
+
+def x8_twin(packed: PackedWeight) -> PackedWeight:
+    """The same weight with int8 activations in the x8 layout, from a copy of its bytes."""
+    rows = PackedWeight(packed.fmt, packed.data.clone(), packed.in_features, "int8")
+    return rows.with_layout("x8")
+
+
+@pytest.mark.parametrize("fmt", cpu.X8_FORMATS)
+@pytest.mark.parametrize("n", [8, 29, 70])  # one group; 3 groups and 5 rows; 8 groups and 6 rows
+def test_x8_layout_keeps_every_value(fmt: str, n: int) -> None:
+    """The conversion is in place and loses no bit: rows read back out of their groups (the
+    embedding lookup) are gguf's values, and converting back gives the row layout's bytes."""
+    g = torch.Generator().manual_seed(n)
+    packed, dense = packed_random(fmt, n, 512, g)
+    rows = packed.with_activations("int8")
+    x8 = x8_twin(packed)
+    assert x8.layout == "x8" and x8.nbytes == packed.nbytes
+    assert not torch.equal(x8.data[: n // 8 * 8], rows.data[: n // 8 * 8])  # it did move
+    assert torch.equal(x8.data[n // 8 * 8:], rows.data[n // 8 * 8:])  # the last n % 8: rows
+    ids = torch.tensor([0, 7, min(8, n - 1), n - 1, 3, n // 2])
+    assert torch.equal(ops.embedding(ids, x8), dense[ids])
+    assert torch.equal(x8.with_layout("rows").data, rows.data)
+
+
+@pytest.mark.parametrize("fmt", cpu.X8_FORMATS)
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 33, 130])
+def test_x8_gemm_is_the_row_layout_int8_product(fmt: str, m: int) -> None:
+    """The x8 GEMM sums the same integers as the row-layout int8 kernel (the same rounded x,
+    scales and offsets), in another order of the float additions: equal to fp32 rounding
+    (measured ~3e-7 of the largest output). 29 rows: 3 groups and 5 rows left in the row layout;
+    130 rows of x: across the 64-row passes and the 4- and 8-row chunks."""
+    g = torch.Generator().manual_seed(m * 10 + FORMATS[fmt])
+    for k in (256, 768):
+        packed, dense = packed_random(fmt, 29, k, g)
+        x, b = torch.randn(m, k, generator=g), torch.randn(29, generator=g)
+        want = ops.linear(x, packed.with_activations("int8"), b)
+        got = ops.linear(x, x8_twin(packed), b)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-6 * want.abs().max().item())
+        # and exact where x rounds to int8 without loss (every code, bit and scale read right)
+        xe = int8_exact_x(m, k, g)
+        want64 = xe.double() @ dense.double().T + b.double()
+        got64 = ops.linear(xe, x8_twin(packed), b).double()
+        assert ((got64 - want64).norm() / want64.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("m", [1, 9, 33])
+def test_x8_parts_in_different_formats_are_one_product(m: int) -> None:
+    """Q4_K_M's q/k/v with v in Q6_K, every part in x8 (one with rows not a multiple of 8),
+    next to a Q5_K part that stays in rows: one call, each part read in its own layout."""
+    g = torch.Generator().manual_seed(m)
+    parts = [packed_random(fmt, n, 512, g) for fmt, n in (("Q4_K", 40), ("Q5_K", 8), ("Q6_K", 12))]
+    rows = PackedParts(tuple(p for p, _ in parts)).with_activations("int8")
+    fused = PackedParts(tuple(PackedWeight(p.fmt, p.data.clone(), p.in_features, "int8")
+                              for p in rows.parts)).with_layout("x8")
+    assert [p.layout for p in fused.parts] == ["x8", "rows", "x8"]
+    x, b = torch.randn(m, 512, generator=g), torch.randn(60, generator=g)
+    want = ops.linear(x, rows, b)
+    torch.testing.assert_close(ops.linear(x, fused, b), want, rtol=0,
+                               atol=2e-6 * want.abs().max().item())
+
+
+def test_x8_is_taken_only_where_it_is_read() -> None:
+    """x8 is read only by the int8 kernels, for Q4_K and Q6_K with at least 8 rows: any other
+    weight stays in rows, and an x8 weight refuses other activations."""
+    g = torch.Generator().manual_seed(3)
+    q4k, _ = packed_random("Q4_K", 16, 256, g)
+    assert q4k.with_layout("x8") is q4k  # exact activations: stays in rows
+    q40, _ = packed_random("Q4_0", 16, 256, g)
+    assert q40.with_activations("int8").with_layout("x8").layout == "rows"
+    short, _ = packed_random("Q6_K", 7, 256, g)
+    assert short.with_activations("int8").with_layout("x8").layout == "rows"
+    x8 = x8_twin(q4k)
+    with pytest.raises(ValueError, match="x8 layout"):
+        x8.with_activations("exact")
+    with pytest.raises(ValueError, match="layout"):
+        q4k.with_layout("x4")
+
+
+@pytest.mark.parametrize("fmt", cpu.X8_FORMATS)
+def test_x8_rows_of_x_do_not_depend_on_their_batch(fmt: str) -> None:
+    """Each row of x is summed alone, in one order, whatever the rows around it: a row's
+    output is bitwise the same at M = 1 and inside chunks of 4 and 8 and passes of 64 (what
+    speculative decoding's verify rows rely on with int8 activations)."""
+    g = torch.Generator().manual_seed(5)
+    packed, _ = packed_random(fmt, 29, 512, g)
+    w = x8_twin(packed)
+    x = torch.randn(70, 512, generator=g)
+    whole = ops.linear(x, w)
+    for i in (0, 3, 8, 65, 69):
+        assert torch.equal(ops.linear(x[i:i + 1], w)[0], whole[i])
+    assert torch.equal(ops.linear(x[5:14], w), whole[5:14])

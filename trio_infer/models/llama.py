@@ -488,6 +488,9 @@ class LlamaForCausalLM(nn.Module):
                     module.packed = module.packed.with_activations(activations)
             if spec.tie_word_embeddings and self.lm_head.packed is not None:
                 self.lm_head.packed = self.model.embed_tokens.packed
+        # With int8 activations, Q4_K and Q6_K weights are read in the 8-row interleaved layout
+        # (kernels.cpu.LAYOUTS), converted in place once loaded (see load_weights).
+        self._weight_layout = "x8" if activations == "int8" else "rows"
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
         # Pure decode steps on the CPU kernels run as one C call (kernels.ops.decode_step),
         # built on first use per page size; False turns it off (tests compare both paths).
@@ -583,6 +586,7 @@ class LlamaForCausalLM(nn.Module):
         parameter the checkpoint never provided: a half-loaded model would run and emit garbage.
         """
         self._decode_steps.clear()  # built over the old tensors
+        self._set_weight_layout("rows")  # checkpoint rows are copied in as rows
         params: dict[str, Any] = dict(self.named_parameters())
         params.update(self._packed_weights())
         expected = set(params)
@@ -625,6 +629,19 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint lacks {len(missing)} tensors: {shown}")
+        self._set_weight_layout(self._weight_layout)
+
+    def _set_weight_layout(self, layout: str) -> None:
+        """Every packed weight in ``layout`` where it takes it, converted in place (a tied
+        lm_head is the embedding's table: converted once, then shared again)."""
+        for name, module in self.named_modules():
+            if getattr(module, "packed", None) is None:
+                continue
+            if name == "lm_head" and self.spec.tie_word_embeddings:
+                continue
+            module.packed = module.packed.with_layout(layout)
+        if self.spec.tie_word_embeddings and self.lm_head.packed is not None:
+            self.lm_head.packed = self.model.embed_tokens.packed
 
     def _packed_weights(self) -> dict[str, nn.Module]:
         """``"<module>.weight"`` -> module, for every module whose weight is packed (they have no
