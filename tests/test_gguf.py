@@ -603,6 +603,20 @@ def test_smollm2_exact_step_gives_each_sequence_its_logits_alone(smollm2: tuple[
         assert torch.equal(together[i], alone[i]), i
 
 
+@needs_smollm2
+def test_smollm2_one_call_step_past_the_few_rows_limit_is_the_op_by_op_step(
+        smollm2: tuple[Any, Any]) -> None:
+    """assert_one_call_step_is_exact's batches (1, 2, 3, 5) now all take the exact few-rows
+    kernel; one batch past its limit takes the tiles, in both paths alike."""
+    if cpu.load() is None:
+        pytest.skip("the CPU kernels do not build here")
+    batch_size = cpu.require().few_rows_exact()
+    fused, kf, vf = decode_logits(smollm2[0], batch_size, True)
+    ops_path, ko, vo = decode_logits(smollm2[0], batch_size, False)
+    assert torch.equal(fused, ops_path)
+    assert all(torch.equal(a, b) for a, b in zip(kf + vf, ko + vo))
+
+
 # --- K-quant files: read in place --------------------------------------------------------------
 
 # A Llama whose every width is a multiple of 256 (the K-quants' super-block).
