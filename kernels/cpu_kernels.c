@@ -1508,11 +1508,11 @@ static void gemm_x8(int fmt, const uint8_t *g, int nb, int R, const int8_t *xq, 
  * x for int16, once per ROWS_MAX rows for exact) or the tiles (each weight dequantized once into
  * L1, used by MT rows at a time). Exact: up to 5 rows, where dot_rows costs about what the tiles
  * do on Q4_1 (SmolLM2-135M's [1536, 576] and [576, 1536] at one thread, by CPU time: 0.84-1.19x
- * at 2 rows, 0.59-0.87x at 3, 1.03-1.35x at 4, 0.78-1.00x at 5) and less on Q4_K and Q6_K
- * ([8192, 2048]: 0.42-0.90x), and each row's result is bitwise its result alone (the tiles' sums
+ * at 2 rows, 0.50-0.87x at 3, 1.03-1.35x at 4, 0.78-1.07x at 5; three runs) and less on Q4_K
+ * and Q6_K ([8192, 2048]: 0.42-0.90x), and each row's result is bitwise its result alone (the tiles' sums
  * run in another order), so speculative decoding's verify rows (up to speculative_tokens + 1)
  * and batches of up to 5 give every sequence the logits it has alone. From 6 rows (6 and 8:
- * 1.24-1.51x on Q4_1) the tiles' fp32 micro-GEMM is cheaper per row than dot_row's per-block
+ * 1.24-1.65x on Q4_1) the tiles' fp32 micro-GEMM is cheaper per row than dot_row's per-block
  * sums. The int16 kernel's integer products keep it ahead up to 3 rows. -D overrides either
  * (measurement). */
 #ifndef FEW_ROWS_EXACT
