@@ -350,6 +350,7 @@ class CpuKernels:
             "tri_native_row_bytes": (_SZ, [_I, _I]),
             "tri_pack": (_I, [_I, _P, _I64, _I, _P, _I]),
             "tri_linear": (_I, [ctypes.POINTER(_Lin), _P, _I, _P, _I]),
+            "tri_few_rows_exact": (_I, []),
             "tri_dequant_rows": (_I, [_I, _P, _SZ, _P, _I, _I, _P, _I64]),
             "tri_relayout": (_I, [_I, _P, _I64, _I, _SZ, _I, _I]),
             "tri_rms_norm": (None, [_P, _P, _P, _P, _I, _I, _F, _P, _I]),
@@ -388,6 +389,11 @@ class CpuKernels:
                                 out.data_ptr(), threads)
         if rc != 0:
             raise ValueError(f"cannot pack {fmt} rows of {in_features} weights")
+
+    def few_rows_exact(self) -> int:
+        """Rows of x below which an exact :meth:`linear` gives each row bitwise the result it
+        has alone (the few-rows kernel; from there, the tiles, whose sums run in another order)."""
+        return int(self._lib.tri_few_rows_exact())
 
     def linear(self, x: torch.Tensor, w: Packed, bias: torch.Tensor | None,
                threads: int) -> torch.Tensor:

@@ -754,6 +754,140 @@ static float dot_row(int fmt, const uint8_t *row, size_t rb, const float *x, con
     }
 }
 
+/* -- a few rows of x, exact and batch invariant --------------------------------------------------- */
+
+/* Rows of x that dot_rows multiplies with one weight row at a time: each block's codes are
+ * unpacked once into registers and multiplied with every row's x. */
+#define ROWS_MAX 8
+
+/* dot(codes f of one block, x_b) as 8 partial sums, the arithmetic of block_dot_ps from codes
+ * already unpacked (not centred for Q6_K; its second half apart in *hi). */
+INLINE __m256 codes_dot_ps(int fmt, const __m256 f[4], const float *xb, __m256 *hi) {
+    __m256 s = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
+    s = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), s);
+    if (fmt == FMT_Q6_K) {
+        *hi = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+        return s;
+    }
+    s = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), s);
+    return _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), s);
+}
+
+/* out[r] = dot(w_row, x row r) for R <= ROWS_MAX rows of x (``ldx`` floats apart, their block
+ * sums ``ldxs`` apart), each row's sum bitwise dot_row_fmt's for that row alone: the same
+ * products and additions in the same order (group_f32's per group of 8 blocks, then the tail),
+ * only the unpacking of the codes and scales shared between rows. Why: a sequence's logits then
+ * do not depend on how many rows share its step (speculative decoding's verify rows, batches). */
+INLINE void dot_rows_fmt(int fmt, const uint8_t *row, size_t rb, const float *x, size_t ldx,
+                         const float *xsum, size_t ldxs, int K, int R, float *out) {
+    if (is_16bit(fmt)) {
+        /* dot_row_fmt's 4 accumulators per row; 3 rows at a time keep theirs in registers */
+        for (int r0 = 0; r0 < R; r0 += 3) {
+            const int n = R - r0 < 3 ? R - r0 : 3;
+            __m256 a[3][4];
+            for (int r = 0; r < 3; r++)
+                for (int j = 0; j < 4; j++) a[r][j] = _mm256_setzero_ps();
+            for (int k = 0; k < K; k += 32)
+                for (int j = 0; j < 4; j++) {
+                    const __m256 w = load16(fmt, row + 2 * (size_t)(k + 8 * j));
+                    for (int r = 0; r < n; r++)
+                        a[r][j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (r0 + r) * ldx + k + 8 * j), a[r][j]);
+                }
+            for (int r = 0; r < n; r++)
+                out[r0 + r] = hsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]),
+                                                 _mm256_add_ps(a[r][2], a[r][3])));
+        }
+        return;
+    }
+    const int nb = K / 32;
+    const uint8_t *meta = row_meta(fmt, row, nb);
+    __m256 acc[ROWS_MAX], v[ROWS_MAX][8];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        prefetch_group(row, rb, b, nb);
+        if (fmt == FMT_Q6_K) {  /* group_f32's Q6_K branch, row by row */
+            const uint8_t *m = meta + (size_t)(b / 8) * 18;
+            const __m256 d = _mm256_set1_ps(half_to_float(m));
+            const __m256 slo = _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 2))));
+            const __m256 shi = _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 10))));
+            float lo[8], hi[8];
+            _mm256_storeu_ps(lo, slo);
+            _mm256_storeu_ps(hi, shi);
+            for (int j = 0; j < 8; j++) {
+                __m256 f[4];
+                block_codes_q6(fmt, row, nb, b + j, f, 0);
+                const __m256 sl = _mm256_set1_ps(lo[j]), sh = _mm256_set1_ps(hi[j]);
+                for (int r = 0; r < R; r++) {
+                    __m256 h;
+                    const __m256 l = codes_dot_ps(fmt, f, x + r * ldx + (size_t)(b + j) * 32, &h);
+                    v[r][j] = _mm256_fmadd_ps(h, sh, _mm256_mul_ps(l, sl));
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const float *halves = xsum + r * ldxs + nb + 2 * (size_t)b;
+                const __m256 off = _mm256_fmadd_ps(slo, _mm256_loadu_ps(halves),
+                                                   _mm256_mul_ps(shi, _mm256_loadu_ps(halves + 8)));
+                acc[r] = _mm256_add_ps(acc[r], _mm256_fmadd_ps(off, _mm256_set1_ps(-32.0f), reduce8_ps(v[r])));
+            }
+            continue;
+        }
+        for (int j = 0; j < 8; j++) {
+            __m256 f[4];
+            block_codes_q6(fmt, row, nb, b + j, f, 0);
+            for (int r = 0; r < R; r++)
+                v[r][j] = codes_dot_ps(fmt, f, x + r * ldx + (size_t)(b + j) * 32, NULL);
+        }
+        __m256 scale, off;
+        group_affine(fmt, meta, nb, b, &scale, &off);
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm256_fmadd_ps(reduce8_ps(v[r]), scale, acc[r]);
+            if (fmt != FMT_Q8_0)
+                acc[r] = _mm256_fmadd_ps(off, _mm256_loadu_ps(xsum + r * ldxs + b), acc[r]);
+        }
+    }
+    float tail[ROWS_MAX];  /* the last nb % 8 blocks (none for the K-quants), one at a time */
+    for (int r = 0; r < R; r++) tail[r] = 0.0f;
+    for (; b < nb; b++) {
+        float s0, s1, off;
+        __m256 f[4];
+        block_affine(fmt, meta, nb, b, &s0, &s1, &off);
+        block_codes_q6(fmt, row, nb, b, f, 0);
+        for (int r = 0; r < R; r++)
+            tail[r] += hsum(codes_dot_ps(fmt, f, x + r * ldx + (size_t)b * 32, NULL)) * s0
+                     + off * xsum[r * ldxs + b];
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + tail[r];
+}
+
+/* dot_rows_fmt with the number of rows known at compile time (so each row's sums keep to
+ * registers), for the format at run time. */
+#define DOT_ROWS_R(F, R) case R: dot_rows_fmt(F, row, rb, x, ldx, xsum, ldxs, K, R, out); break;
+#define DOT_ROWS_FMT(F) \
+    switch (R) { \
+    DOT_ROWS_R(F, 1) DOT_ROWS_R(F, 2) DOT_ROWS_R(F, 3) DOT_ROWS_R(F, 4) \
+    DOT_ROWS_R(F, 5) DOT_ROWS_R(F, 6) DOT_ROWS_R(F, 7) default: DOT_ROWS_R(F, 8) \
+    } \
+    break;
+
+static void dot_rows(int fmt, const uint8_t *row, size_t rb, const float *x, size_t ldx,
+                     const float *xsum, size_t ldxs, int K, int R, float *out) {
+    switch (fmt) {
+    case FMT_F16: DOT_ROWS_FMT(FMT_F16)
+    case FMT_BF16: DOT_ROWS_FMT(FMT_BF16)
+    case FMT_Q4_0: DOT_ROWS_FMT(FMT_Q4_0)
+    case FMT_Q4_1: DOT_ROWS_FMT(FMT_Q4_1)
+    case FMT_Q5_0: DOT_ROWS_FMT(FMT_Q5_0)
+    case FMT_Q5_1: DOT_ROWS_FMT(FMT_Q5_1)
+    case FMT_Q8_0: DOT_ROWS_FMT(FMT_Q8_0)
+    case FMT_Q4_K: DOT_ROWS_FMT(FMT_Q4_K)
+    case FMT_Q5_K: DOT_ROWS_FMT(FMT_Q5_K)
+    default: DOT_ROWS_FMT(FMT_Q6_K)
+    }
+}
+#undef DOT_ROWS_FMT
+#undef DOT_ROWS_R
+
 /* Per row of x: nb = K / 32 block sums, then for each whole group of 8 blocks the sums of their
  * first halves (8) and of their second halves (8): XSUM_PER_BLOCK floats a block. */
 #define XSUM_PER_BLOCK 3
@@ -1370,16 +1504,31 @@ static void gemm_x8(int fmt, const uint8_t *g, int nb, int R, const int8_t *xq, 
  * fused step's results are bitwise those of the op-by-op path). Each ``omp for`` ends with a
  * barrier. */
 
-/* Whether M rows of x take the few-rows kernels (weights unpacked in registers, once per row of
- * x) or the tiles (each weight dequantized once into L1, used by MT rows at a time). Measured on
- * SmolLM2 at 2 threads: for the exact kernel the tiles win from 2 rows on; the int16 kernel's
- * integer products keep it ahead up to 3 rows. */
-#define FEW_ROWS_EXACT 2
+/* Whether M rows of x take the few-rows kernels (weights unpacked in registers: once per row of
+ * x for int16, once per ROWS_MAX rows for exact) or the tiles (each weight dequantized once into
+ * L1, used by MT rows at a time). Exact: up to 5 rows, where dot_rows costs about what the tiles
+ * do on Q4_1 (SmolLM2-135M's [1536, 576] and [576, 1536] at one thread, by CPU time: 0.84-1.19x
+ * at 2 rows, 0.50-0.87x at 3, 1.03-1.35x at 4, 0.78-1.07x at 5; three runs) and less on Q4_K
+ * and Q6_K ([8192, 2048]: 0.42-0.90x), and each row's result is bitwise its result alone (the tiles' sums
+ * run in another order), so speculative decoding's verify rows (up to speculative_tokens + 1)
+ * and batches of up to 5 give every sequence the logits it has alone. From 6 rows (6 and 8:
+ * 1.24-1.65x on Q4_1) the tiles' fp32 micro-GEMM is cheaper per row than dot_row's per-block
+ * sums. The int16 kernel's integer products keep it ahead up to 3 rows. -D overrides either
+ * (measurement). */
+#ifndef FEW_ROWS_EXACT
+#define FEW_ROWS_EXACT 6
+#endif
+#ifndef FEW_ROWS_INT16
 #define FEW_ROWS_INT16 4
+#endif
 
 static inline int few_rows(int M, int q16) {
     return M < (q16 ? FEW_ROWS_INT16 : FEW_ROWS_EXACT);
 }
+
+/* Rows of x below which an exact product takes the few-rows kernel, each row's result then
+ * bitwise that row's alone (for the tests and the docs to read, not to guess). */
+int tri_few_rows_exact(void) { return FEW_ROWS_EXACT; }
 
 /* A linear layer y[M, N] = x[M, K] @ W[N, K]^T (+ bias). W's rows come in up to MAX_PARTS
  * parts, each in a format of its own: a fused projection whose parts the GGUF file quantized
@@ -1478,8 +1627,8 @@ static void linear_prep(int fmt, const float *x, int M, int K, float *xsum, uint
     }
 }
 
-/* few_rows(M), after linear_prep: exact (dot_row), or with x rounded to int16 (dot_row_q16)
- * when qx is given. */
+/* few_rows(M), after linear_prep: exact (dot_row for one row of x, dot_rows for more: each
+ * row's result bitwise dot_row's), or with x rounded to int16 (dot_row_q16) when qx is given. */
 static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *y,
                                 const float *xsum, const uint8_t *qx, const float *dx) {
     const int K = L->K, N = L->N, nb = K / 32;
@@ -1489,6 +1638,17 @@ static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *
         int fmt;
         size_t rb;
         const uint8_t *row = lin_row(L, n, &fmt, &rb);
+        if (!qx && M > 1) {  /* up to ROWS_MAX rows of x per unpacking of the row */
+            for (int m0 = 0; m0 < M; m0 += ROWS_MAX) {
+                const int R = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
+                float out[ROWS_MAX];
+                dot_rows(fmt, row, rb, x + (size_t)m0 * K, K, xsum + (size_t)m0 * nb * XSUM_PER_BLOCK,
+                         (size_t)nb * XSUM_PER_BLOCK, K, R, out);
+                for (int r = 0; r < R; r++)
+                    y[(size_t)(m0 + r) * N + n] = out[r] + (L->bias ? L->bias[n] : 0.0f);
+            }
+            continue;
+        }
         for (int m = 0; m < M; m++) {
             const float *xs = xsum + (size_t)m * nb * XSUM_PER_BLOCK;
             const float dot = qx ? dot_row_q16(fmt, row, rb, qx + m * qx_row_bytes(K), dx + (size_t)m * nb, xs, nb)

@@ -578,6 +578,71 @@ def test_tiny_one_call_decode_step_is_the_op_by_op_step(
     assert model.one_call_decode
 
 
+def decode_alone_and_together(model: Any, batch_size: int, fused: bool,
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of ``batch_size`` sequences over random caches, and each sequence's same
+    step alone (over copies of the same caches): the batch's logits and the rows alone, stacked."""
+    info = model.info
+    page_size, longest = 16, 70
+    pages_per_seq = math.ceil((longest + 1) / page_size)
+    g = torch.Generator().manual_seed(7)
+    shape = (batch_size * pages_per_seq, page_size, info.num_kv_heads, info.head_dim)
+    k = [torch.randn(shape, generator=g) for _ in range(info.num_layers)]
+    v = [torch.randn(shape, generator=g) for _ in range(info.num_layers)]
+    table = torch.randperm(batch_size * pages_per_seq, generator=g).view(batch_size, -1)
+    pos = longest - 7 * torch.arange(batch_size)
+    ids = torch.randint(0, info.vocab_size, (batch_size,), generator=g)
+    slots = table[torch.arange(batch_size), pos // page_size] * page_size + pos % page_size
+
+    def step(rows: slice) -> torch.Tensor:
+        n = len(range(batch_size)[rows])
+        batch = ForwardBatch(
+            input_ids=ids[rows], positions=pos[rows], slot_mapping=slots[rows],
+            page_table=table[rows], seq_lens=pos[rows] + 1, query_start_loc=torch.arange(n + 1),
+            num_decodes=n, logits_indices=torch.arange(n), max_query_len=1,
+            max_seq_len=int(pos[rows].max()) + 1)
+        model.fused_decode = fused
+        try:
+            return model.forward(batch, [c.clone() for c in k], [c.clone() for c in v])
+        finally:
+            model.fused_decode = True
+
+    together = step(slice(0, batch_size))
+    alone = torch.cat([step(slice(i, i + 1)) for i in range(batch_size)])
+    return together, alone
+
+
+@needs_smollm2
+@pytest.mark.parametrize("fused", [True, False])
+def test_smollm2_exact_step_gives_each_sequence_its_logits_alone(smollm2: tuple[Any, Any],
+                                                                 fused: bool) -> None:
+    """With exact activations, a decode step of up to the few-rows limit's rows (speculative
+    decoding's verify rows, a small batch) gives each sequence bitwise the logits it gets
+    decoding alone: every linear takes the few-rows kernel, whose rows are each summed as the
+    one-row kernel sums them. The one-call step and the op-by-op one alike."""
+    if cpu.load() is None:
+        pytest.skip("the CPU kernels do not build here")
+    batch_size = cpu.require().few_rows_exact() - 1
+    assert batch_size >= 2
+    together, alone = decode_alone_and_together(smollm2[0], batch_size, fused)
+    for i in range(batch_size):
+        assert torch.equal(together[i], alone[i]), i
+
+
+@needs_smollm2
+def test_smollm2_one_call_step_past_the_few_rows_limit_is_the_op_by_op_step(
+        smollm2: tuple[Any, Any]) -> None:
+    """assert_one_call_step_is_exact's batches (1, 2, 3, 5) now all take the exact few-rows
+    kernel; one batch past its limit takes the tiles, in both paths alike."""
+    if cpu.load() is None:
+        pytest.skip("the CPU kernels do not build here")
+    batch_size = cpu.require().few_rows_exact()
+    fused, kf, vf = decode_logits(smollm2[0], batch_size, True)
+    ops_path, ko, vo = decode_logits(smollm2[0], batch_size, False)
+    assert torch.equal(fused, ops_path)
+    assert all(torch.equal(a, b) for a, b in zip(kf + vf, ko + vo))
+
+
 # --- K-quant files: read in place --------------------------------------------------------------
 
 # A Llama whose every width is a multiple of 256 (the K-quants' super-block).

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from kernels import cpu
 from trio_infer.engine.engine import Engine, EngineConfig
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.sampler import probabilities
@@ -353,6 +354,44 @@ def test_greedy_ids_identical_on_the_default_model(default_model) -> None:
     engine = Engine(model, EngineConfig(**SPEC))
     assert run(engine, {0: (prompt, params)}) == plain
     assert engine.statistics().spec_accepted > 0
+
+
+def test_exact_verify_rows_are_bitwise_the_one_token_steps_on_the_default_model(default_model
+                                                                             ) -> None:
+    """Why greedy ids with speculation are the plain ones, bitwise rather than up to near-ties:
+    with ``activations=exact`` a verify step of up to 5 rows (``speculative_tokens`` up to 4 at
+    batch 1) gives each row the logits that decoding its token alone gives, to the bit, because
+    every linear of the step takes the few-rows kernel, which sums each row as the one-row
+    kernel does (kernels/cpu_kernels.c, ``dot_rows``)."""
+    if cpu.load() is None:
+        pytest.skip("the CPU kernels do not build here")
+    model = default_model
+    rows = cpu.require().few_rows_exact() - 1
+    assert rows >= SPEC["speculative_tokens"] + 1
+    info = model.info
+    page_size, pages, start = 16, 8, 60
+    g = torch.Generator().manual_seed(3)
+    shape = (pages, page_size, info.num_kv_heads, info.head_dim)
+    k = [torch.randn(shape, generator=g) for _ in range(info.num_layers)]
+    v = [torch.randn(shape, generator=g) for _ in range(info.num_layers)]
+    table = torch.randperm(pages, generator=g)
+    ids = torch.randint(0, info.vocab_size, (rows,), generator=g)
+    pos = start + torch.arange(rows)
+    slots = table[pos // page_size] * page_size + pos % page_size
+
+    def step(sel: list[int], k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]):
+        n = len(sel)
+        batch = ForwardBatch(
+            input_ids=ids[sel], positions=pos[sel], slot_mapping=slots[sel],
+            page_table=table.expand(n, -1).contiguous(), seq_lens=pos[sel] + 1,
+            query_start_loc=torch.arange(n + 1), num_decodes=n, logits_indices=torch.arange(n),
+            max_query_len=1, max_seq_len=int(pos[sel].max()) + 1)
+        return model.forward(batch, k_cache, v_cache)
+
+    verify_rows = step(list(range(rows)), [c.clone() for c in k], [c.clone() for c in v])
+    k1, v1 = [c.clone() for c in k], [c.clone() for c in v]
+    one_at_a_time = torch.cat([step([i], k1, v1) for i in range(rows)])
+    assert torch.equal(verify_rows, one_at_a_time)
 
 
 def test_sampled_speculation_runs_to_the_end_with_its_pages_back(tiny_checkpoint) -> None:

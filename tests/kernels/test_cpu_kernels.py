@@ -427,3 +427,42 @@ def test_x8_rows_of_x_do_not_depend_on_their_batch(fmt: str) -> None:
     for i in (0, 3, 8, 65, 69):
         assert torch.equal(ops.linear(x[i:i + 1], w)[0], whole[i])
     assert torch.equal(ops.linear(x[5:14], w), whole[5:14])
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_exact_rows_of_x_do_not_depend_on_their_batch(fmt: str) -> None:
+    """With exact activations, each row of a product of M rows below the few-rows limit (1 to 5
+    today) is bitwise the product of that row alone (the one-row kernel): what keeps speculative
+    decoding's verify rows and a small batch's sequences on the plain greedy tokens. Past it (6
+    to 9 and 17: the tiles) every row is still close to a float64 product."""
+    limit = cpu.require().few_rows_exact()
+    assert 2 <= limit <= 9
+    g = torch.Generator().manual_seed(300 + FORMATS[fmt])
+    for k in widths(fmt):
+        packed, dense = packed_random(fmt, 19, k, g)
+        b = torch.randn(19, generator=g)
+        x = torch.randn(17, k, generator=g)
+        alone = torch.stack([ops.linear(x[i:i + 1], packed, b)[0] for i in range(17)])
+        want = x.double() @ dense.double().T + b.double()
+        tol = {"rtol": 1e-5, "atol": 1e-5 * want.abs().max().item()}
+        torch.testing.assert_close(alone.double(), want, **tol)
+        for m in (*range(2, 10), 17):
+            got = ops.linear(x[:m], packed, b)
+            torch.testing.assert_close(got.double(), want[:m], **tol)
+            if m < limit:
+                for i in range(m):
+                    assert torch.equal(got[i], alone[i]), (fmt, k, m, i)
+
+
+@pytest.mark.parametrize("rows", [2, 3, 5])
+def test_exact_rows_of_parts_in_different_formats_do_not_depend_on_their_batch(rows: int) -> None:
+    """A fused projection whose parts differ in format (Q4_K_M's Q4_K q, k and Q6_K v): each
+    row of x's product is bitwise that row's alone, part by part."""
+    assert rows < cpu.require().few_rows_exact()
+    g = torch.Generator().manual_seed(40 + rows)
+    parts = [packed_random(fmt, n, 512, g) for fmt, n in (("Q4_K", 24), ("Q4_K", 8), ("Q6_K", 8))]
+    fused = PackedParts(tuple(p for p, _ in parts))
+    x, b = torch.randn(rows, 512, generator=g), torch.randn(40, generator=g)
+    got = ops.linear(x, fused, b)
+    for i in range(rows):
+        assert torch.equal(got[i], ops.linear(x[i:i + 1], fused, b)[0]), i
