@@ -547,7 +547,9 @@ def assert_one_call_step_is_exact(model: Any) -> None:
     """The one-call step runs the op-by-op path's kernels in the same order: bitwise equal, over
     an fp32 and an fp16 KV cache."""
     for kv_dtype in (torch.float32, torch.float16):
-        for batch_size in (1, 2, 3, 5):  # few-rows and tile linears, per-head and per-sequence attention
+        # The few-rows linears (one row, and dot_rows), per-head and per-sequence attention; the
+        # tiles past them: test_smollm2_one_call_step_past_the_few_rows_limit_is_the_op_by_op_step.
+        for batch_size in (1, 2, 3, 5):
             fused, kf, vf = decode_logits(model, batch_size, True, kv_dtype=kv_dtype)
             ops_path, ko, vo = decode_logits(model, batch_size, False, kv_dtype=kv_dtype)
             assert torch.equal(fused, ops_path), (batch_size, kv_dtype)
