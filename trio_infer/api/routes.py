@@ -473,10 +473,10 @@ async def _stream(state: ServerState, plan: Plan, make: MakeSerializer = seriali
     hold = state.settings.max_queue_time_s is not None
     first = writer.first()
     scope = request.scope
-    if hold or first:
-        # The first chunk is ready (or, with hold, already taken): the server writes the headers
-        # and it in one write (server.py, change 5). A stream whose first chunk waits for the
-        # model (completions) gets its headers at once.
+    if first:
+        # The first chunk is ready: it is the body's first message (with hold too), so the server
+        # writes the headers and it in one write (server.py, change 5). A stream whose first
+        # chunk waits for the model (completions) gets its headers at once.
         scope[sse.NEXT_SEND_FOLLOWS] = True
 
     async def body():  # type: ignore[no-untyped-def]
