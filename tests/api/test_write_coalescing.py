@@ -112,3 +112,21 @@ async def test_a_stream_whose_first_chunk_waits_gets_its_headers_at_once(app, mo
     assert b"data:" not in writes[0]
     assert writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and all(writes)
     assert body_text(events).endswith("data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("path,payload,joined", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, True),
+    ("/v1/completions", {"prompt": "hi"}, False),
+])
+async def test_with_a_queue_time_limit_only_a_ready_first_chunk_joins_the_headers(
+        tokenizer, monkeypatch, path, payload, joined) -> None:
+    """With ``max_queue_time_s`` the status waits for the request's scheduling, and then the
+    headers go with the first chunk only when there is one (chat's role chunk); a completions
+    stream's headers do not wait for its first token."""
+    app = make_app(tokenizer, max_queue_time_s=30)
+    writes, events = await exchange(app, path, {"model": "fake", "max_tokens": 2, "stream": True,
+                                                **payload}, monkeypatch)
+    assert type(events[0]) is h11.Response and events[0].status_code == 200
+    assert writes[0].startswith(b"HTTP/1.1 200")
+    assert (b"data:" in writes[0]) is joined
+    assert writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and all(writes)
