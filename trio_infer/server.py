@@ -157,7 +157,7 @@ _INSTALLED = False
 
 
 def install() -> bool:
-    """Install the four changes (idempotent). Returns False, changing nothing, if hypercorn is
+    """Install the five changes (idempotent). Returns False, changing nothing, if hypercorn is
     not the 0.18 layout they were written for."""
     global _INSTALLED
     if _INSTALLED:
