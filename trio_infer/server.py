@@ -5,13 +5,13 @@ this project makes to hypercorn 0.18, with why each exists.
 option that differs from hypercorn's defaults is set there, next to its reason.
 
 :func:`install` changes two hypercorn classes (it must replace them: hypercorn has no hook for
-any of the four changes below). Changes 1 and 2 apply only to connections served under a
+any of the five changes below). Changes 1 and 2 apply only to connections served under a
 :class:`ServerConfig`; under any other configuration (``hypercorn trio_infer.app:app`` on the
 command line, or another app in the same process) they are hypercorn's own behaviour. Changes
-3 and 4 write the same bytes under the same lock, only faster, so they apply to every connection
-once installed: ``serve`` installs all four before it starts hypercorn, and the app installs them
+3, 4 and 5 write the same bytes under the same lock, only faster, so they apply to every
+connection once installed: ``serve`` installs all five before it starts hypercorn, and the app installs them
 from its lifespan startup (``app.py``), which is how the bare ``hypercorn trio_infer.app:app``
-command gets changes 3 and 4: hypercorn looks ``TCPServer`` up in ``hypercorn.trio.run`` when it starts
+command gets changes 3, 4 and 5: hypercorn looks ``TCPServer`` up in ``hypercorn.trio.run`` when it starts
 serving, after the app's startup has run. (Changes 1 and 2 stay off there: the cap and the
 timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does not carry.)
 
@@ -62,6 +62,20 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
    hypercorn's own path. Same bytes, same order, same lock. Like change 3, it applies to every
    connection once installed.
 
+5. **Two sends that follow each other in one write, and no empty writes.** hypercorn writes
+   the headers when the app sends ``http.response.start``, then each body message, then the end
+   of the body (``0\r\n\r\n`` for a chunked body, an empty write for a fixed-length one): three
+   writes (three syscalls, each through the layers of change 4) for a JSON response, two before
+   a stream's first chunk and two for its last chunk and its end. When the app marks the
+   request's scope with ``sse.NEXT_SEND_FOLLOWS`` right before a send (the routes do before a
+   start whose first body message is ready, and before a stream's last chunk), what hypercorn
+   writes for that send is held (the connection is *corked*) until it has handled the next send,
+   and goes out with it in one write; anything the connection sends that is not bytes (the
+   idle timer, a close) writes what is held first. Without the mark everything is written at
+   once, as hypercorn does: a stream whose first chunk waits for the model must not keep its
+   status from the client. An empty write is never made. Same bytes, same order, same lock,
+   under any configuration.
+
 ``tests/runtime/test_connection_limits.py`` proves changes 1 and 2 against a real server (and
 fails without them); every streaming test goes through change 3.
 """
@@ -76,7 +90,7 @@ import trio
 from hypercorn.config import Config
 
 from trio_infer.api.errors import RETRY_AFTER_S, SERVER_ERROR, error_body
-from trio_infer.api.sse import dumps
+from trio_infer.api.sse import NEXT_SEND_FOLLOWS, dumps
 from trio_infer.settings import Settings, Wiring
 
 log = logging.getLogger(__name__)
@@ -143,7 +157,7 @@ _INSTALLED = False
 
 
 def install() -> bool:
-    """Install the four changes (idempotent). Returns False, changing nothing, if hypercorn is
+    """Install the five changes (idempotent). Returns False, changing nothing, if hypercorn is
     not the 0.18 layout they were written for."""
     global _INSTALLED
     if _INSTALLED:
@@ -164,8 +178,20 @@ def install() -> bool:
         return False
 
     class CappedTCPServer(TCPServer):
-        """Change 1 (the cap), the first half of change 2 (the timer's restart shielded) and
-        change 3 (a write in one ``os.write``)."""
+        """Change 1 (the cap), the first half of change 2 (the timer's restart shielded),
+        change 3 (a write in one ``os.write``) and change 5's cork."""
+
+        # Change 5: while not None, the bytes hypercorn writes are kept here, to go out in one
+        # write at uncork() (or before any event that is not bytes).
+        corked: list[bytes] | None = None
+
+        def cork(self) -> None:
+            self.corked = []
+
+        async def uncork(self) -> None:
+            data = b"".join(self.corked or ())
+            self.corked = None
+            await self._send_raw(data)
 
         async def run(self) -> None:
             config = self.config
@@ -181,8 +207,14 @@ def install() -> bool:
 
         async def protocol_send(self, event: Any) -> None:
             if type(event) is RawData and isinstance(self.stream, trio.SocketStream):
+                if self.corked is not None:  # change 5
+                    self.corked.append(event.data)
+                    return
                 await self._send_raw(event.data)  # change 3: under any configuration
-            elif not isinstance(self.config, ServerConfig):
+                return
+            if self.corked is not None:  # a close, a timer: what was written goes first
+                await self.uncork()
+            if not isinstance(self.config, ServerConfig):
                 await super().protocol_send(event)
             elif isinstance(event, Updated) and event.idle:
                 with trio.CancelScope(shield=True):  # restarting the timer takes no time
@@ -193,7 +225,10 @@ def install() -> bool:
         async def _send_raw(self, data: bytes) -> None:
             """Change 3: the bytes written at once when the socket takes them, as hypercorn's
             own path does it (under the connection's send lock, never cancelled half-way) but
-            without trio's per-call machinery for a write that cannot block."""
+            without trio's per-call machinery for a write that cannot block. Nothing to write
+            is no write (change 5: h11 ends a fixed-length body with no bytes)."""
+            if not data:
+                return
             lock = self.send_lock
             try:
                 lock.acquire_nowait()
@@ -237,6 +272,31 @@ def install() -> bool:
     send_body = ASGIHTTPState.RESPONSE
 
     async def _app_send(self: Any, message: Any) -> None:
+        """Change 5 around change 4: a marked send corks the connection until the next one."""
+        corked = self.__dict__.pop("_trio_infer_corked", None)
+        if corked is not None:  # the previous send was marked: this one goes out with it
+            try:
+                await _send_message(self, message)
+            finally:
+                await corked.uncork()
+            return
+        if message is not None and self.scope.pop(NEXT_SEND_FOLLOWS, False) is True:
+            protocol = getattr(self.send, "__self__", None)
+            server = getattr(getattr(protocol, "send", None), "__self__", None)
+            if type(protocol) is H11Protocol and type(server) is CappedTCPServer \
+                    and server.corked is None and isinstance(server.stream, trio.SocketStream):
+                server.cork()
+                self._trio_infer_corked = server
+                try:
+                    await _send_message(self, message)
+                except BaseException:
+                    del self._trio_infer_corked
+                    await server.uncork()
+                    raise
+                return
+        await _send_message(self, message)
+
+    async def _send_message(self: Any, message: Any) -> None:
         """Change 4: a chunk of a chunked HTTP/1.1 body, framed as h11 frames it, written at once."""
         if message is not None and self.state is send_body and message["type"] == "http.response.body":
             data = message.get("body")

@@ -450,6 +450,7 @@ async def _complete(state: ServerState, plan: Plan, make: MakeSerializer = seria
             pass
     said = ResponseEvents(plan)
     body = make(plan, state.texts).response(text.choices, [said.whole(c) for c in text.choices])
+    request.scope[sse.NEXT_SEND_FOLLOWS] = True  # the body is bytes: headers and body in one write
     return json_response(body)
 
 
@@ -470,10 +471,16 @@ async def _stream(state: ServerState, plan: Plan, make: MakeSerializer = seriali
     events = ResponseEvents(plan)
     writer = make(plan, state.texts)
     hold = state.settings.max_queue_time_s is not None
+    first = writer.first()
+    scope = request.scope
+    if first:
+        # The first chunk is ready: it is the body's first message (with hold too), so the server
+        # writes the headers and it in one write (server.py, change 5). A stream whose first
+        # chunk waits for the model (completions) gets its headers at once.
+        scope[sse.NEXT_SEND_FOLLOWS] = True
 
     async def body():  # type: ignore[no-untyped-def]
         # Trap 5: no `request` in here; everything needed was captured above.
-        first = writer.first()
         sent = not hold  # whether the status is gone (an error is an event from then on)
         try:
             if not hold and first:
@@ -506,6 +513,7 @@ async def _stream(state: ServerState, plan: Plan, make: MakeSerializer = seriali
                 raise
             log.exception("error while streaming a response")
             tail = writer.failed(internal_error())
+        scope[sse.NEXT_SEND_FOLLOWS] = True  # the end of the body follows: one write for both
         yield tail
 
     content = body()

@@ -1,0 +1,132 @@
+"""server.py's change 5, seen at the socket: a response's headers go out with its first body
+message when the route marks that the two follow each other (a JSON answer, a chat stream whose
+first chunk is ready), a stream's last chunk with the end of the body, and no write is empty;
+a stream whose first chunk waits for the model still gets its headers at once. Every response
+is still valid HTTP/1.1 that an h11 client parses whole. Under hypercorn's own ``Config`` (the
+bare command), which gets the change from the app's startup as ``serve`` does."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any
+
+import h11
+import pytest
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from .helpers import make_app
+
+
+async def exchange(app: Any, path: str, payload: dict, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bytes], list]:
+    """One request on a fresh connection of an in-process hypercorn: the bytes of every
+    ``os.write`` of the response (in order: the server writes with ``os.write``, change 3; the
+    client sends with ``socket.send``), and the h11 events the client parsed from them."""
+    writes: list[bytes] = []
+    write = os.write
+
+    def recording_write(fd: int, data: Any) -> int:
+        sent = write(fd, data)
+        writes.append(bytes(data[:sent]))
+        return sent
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = Config()
+    config.bind = [f"127.0.0.1:{port}"]
+    config.accesslog = config.errorlog = None
+    body = json.dumps(payload).encode()
+    request = (b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="POST", target=path,
+                            headers=[("host", "x"), ("content-length", str(len(body)))]))
+    client.send(h11.Data(data=body))
+    client.send(h11.EndOfMessage())
+    events: list = []
+    monkeypatch.setattr(os, "write", recording_write)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            shutdown = trio.Event()
+            nursery.start_soon(lambda: serve(app, config, shutdown_trigger=shutdown.wait))
+            while True:
+                try:
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    break
+                except OSError:
+                    await trio.sleep(0.01)
+            async with stream:
+                await stream.send_all(request)
+                while not events or type(events[-1]) is not h11.EndOfMessage:
+                    data = await stream.receive_some()
+                    assert data, "the server closed the connection before the response ended"
+                    client.receive_data(data)
+                    while (event := client.next_event()) is not h11.NEED_DATA:
+                        events.append(event)
+                        if type(event) is h11.EndOfMessage:
+                            break
+            shutdown.set()
+    return writes, events
+
+
+def body_text(events: list) -> str:
+    return b"".join(e.data for e in events if type(e) is h11.Data).decode()
+
+
+@pytest.fixture
+def app(tokenizer: Any) -> Any:
+    return make_app(tokenizer)
+
+
+async def test_a_chat_stream_starts_and_ends_in_one_write_each(app, monkeypatch) -> None:
+    writes, events = await exchange(app, "/v1/chat/completions", {
+        "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "stream": True, "stream_options": {"include_usage": True}}, monkeypatch)
+    assert type(events[0]) is h11.Response and events[0].status_code == 200
+    assert writes[0].startswith(b"HTTP/1.1 200") and b'"role":"assistant"' in writes[0]
+    assert writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and b'"usage":{' in writes[-1]
+    assert all(writes)
+    text = body_text(events)
+    assert text.endswith("data: [DONE]\n\n")
+    chunks = [json.loads(x[len("data: "):]) for x in text.split("\n\n") if x.startswith("data: {")]
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+async def test_a_json_answer_is_one_write(app, monkeypatch) -> None:
+    writes, events = await exchange(app, "/v1/chat/completions", {
+        "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        monkeypatch)
+    assert len(writes) == 1 and writes[0].startswith(b"HTTP/1.1 200")
+    assert json.loads(body_text(events))["usage"]["completion_tokens"] == 3
+
+
+async def test_a_stream_whose_first_chunk_waits_gets_its_headers_at_once(app, monkeypatch) -> None:
+    """Completions have nothing to say before the first token: the headers are not held for it."""
+    writes, events = await exchange(app, "/v1/completions", {
+        "model": "fake", "prompt": "hi", "max_tokens": 2, "stream": True}, monkeypatch)
+    assert writes[0].startswith(b"HTTP/1.1 200") and writes[0].endswith(b"\r\n\r\n")
+    assert b"data:" not in writes[0]
+    assert writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and all(writes)
+    assert body_text(events).endswith("data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("path,payload,joined", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, True),
+    ("/v1/completions", {"prompt": "hi"}, False),
+])
+async def test_with_a_queue_time_limit_only_a_ready_first_chunk_joins_the_headers(
+        tokenizer, monkeypatch, path, payload, joined) -> None:
+    """With ``max_queue_time_s`` the status waits for the request's scheduling, and then the
+    headers go with the first chunk only when there is one (chat's role chunk); a completions
+    stream's headers do not wait for its first token."""
+    app = make_app(tokenizer, max_queue_time_s=30)
+    writes, events = await exchange(app, path, {"model": "fake", "max_tokens": 2, "stream": True,
+                                                **payload}, monkeypatch)
+    assert type(events[0]) is h11.Response and events[0].status_code == 200
+    assert writes[0].startswith(b"HTTP/1.1 200")
+    assert (b"data:" in writes[0]) is joined
+    assert writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and all(writes)
