@@ -133,7 +133,8 @@ class Settings(BaseSettings):
     torch_threads: int = Field(
         0, ge=0, description="torch intra-op threads of the batching worker; 0 = every core. "
         "A decode step too short for a second thread to pay runs on one whatever this says "
-        "(models/llama.py step_threads), which leaves the other cores to the event loop."
+        "(models/llama.py step_threads), which leaves the other cores to the event loop. The fake "
+        "model runs on one."
     )
     omp_wait_policy: Literal["passive", "active", "inherit"] = Field(
         "passive",

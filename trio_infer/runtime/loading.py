@@ -39,11 +39,14 @@ def build_engine(settings: Settings, progress: Progress | None = None) -> Engine
     report: Progress = progress or (lambda phase, done, total: None)
     if settings.tensor_parallel > 1:
         return _build_group_engine(settings, report)
-    configure_torch_threads(settings)
     device = resolve_device(settings)
     config = settings.engine_config()
     if settings.model == FAKE_MODEL:
         from trio_infer.models.fake import FakeModel
+
+        # Its step is a sleep and a few small tensor ops: a second torch thread would only be
+        # woken (and paid for) after every sleep, in the CPU the front-end bench measures.
+        torch.set_num_threads(1)
 
         report("engine", None, None)
         tokenizer = build_tokenizer(settings)
@@ -61,6 +64,7 @@ def build_engine(settings: Settings, progress: Progress | None = None) -> Engine
 
     from trio_infer.models.loader import load_model, resolve_model_path
 
+    configure_torch_threads(settings)
     path = resolve_model_path(settings.model, settings.cache_dir)
     dtype = None if settings.dtype == "auto" else _DTYPES[settings.dtype]
     with _counting_tensors(report):
