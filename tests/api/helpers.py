@@ -11,6 +11,7 @@ import json
 import math
 import re
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -203,3 +204,25 @@ async def post_stream(client, path: str, body: dict[str, Any]) -> tuple[int, str
             except trio.EndOfChannel:
                 break
     return conn.status_code, text
+
+
+@asynccontextmanager
+async def hypercorn_connection(app) -> AsyncIterator[trio.SocketStream]:  # type: ignore[no-untyped-def]
+    """A connection to ``app`` served in process by hypercorn's own trio server under its own
+    ``Config`` (what the bare ``hypercorn trio_infer.app:app`` command runs), on a free loopback
+    port; the server shuts down when the block ends."""
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = config.errorlog = None
+    async with trio.open_nursery() as nursery:
+        shutdown = trio.Event()
+        binds = await nursery.start(partial(serve, app, config, shutdown_trigger=shutdown.wait))
+        stream = await trio.open_tcp_stream("127.0.0.1", int(binds[0].rsplit(":", 1)[1]))
+        try:
+            async with stream:
+                yield stream
+        finally:
+            shutdown.set()

@@ -5,20 +5,17 @@ installed by the app's startup)."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
 import h11
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
 
 from trio_infer.api.health import is_plain_probe
 from trio_infer.app import create_app
 from trio_infer.settings import Settings
 
-from .helpers import make_app, running, state
+from .helpers import hypercorn_connection, make_app, running, state
 
 
 def through_quart(app: Any) -> list[str]:
@@ -135,32 +132,16 @@ async def test_bare_hypercorn_writes_each_chunk_in_one_os_write(tokenizer, monke
     monkeypatch.setattr(trio.SocketStream, "send_all", counting_send_all)
     monkeypatch.setattr(h11.Connection, "send", counting_h11_send)
     app = make_app(tokenizer)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    config = Config()
-    config.bind = [f"127.0.0.1:{port}"]
-    config.accesslog = config.errorlog = None
     body = json.dumps({"model": "fake", "prompt": "hi", "max_tokens": 8, "stream": True}).encode()
     request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
 
     with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            shutdown = trio.Event()
-            nursery.start_soon(lambda: serve(app, config, shutdown_trigger=shutdown.wait))
-            while True:
-                try:
-                    stream = await trio.open_tcp_stream("127.0.0.1", port)
-                    break
-                except OSError:
-                    await trio.sleep(0.01)
-            async with stream:
-                await original(stream, request)
-                received = b""
-                while not received.endswith(b"\r\n0\r\n\r\n"):  # hypercorn keeps the socket
-                    received += await stream.receive_some()
-            shutdown.set()
+        async with hypercorn_connection(app) as stream:
+            await original(stream, request)
+            received = b""
+            while not received.endswith(b"\r\n0\r\n\r\n"):  # hypercorn keeps the socket
+                received += await stream.receive_some()
     assert received.startswith(b"HTTP/1.1 200")
     assert calls == [] and h11_chunks == []
     client = h11.Connection(h11.CLIENT)

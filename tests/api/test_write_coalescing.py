@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from typing import Any
 
 import h11
 import pytest
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
 
-from .helpers import make_app
+from .helpers import hypercorn_connection, make_app
 
 
 async def exchange(app: Any, path: str, payload: dict, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bytes], list]:
@@ -33,12 +30,6 @@ async def exchange(app: Any, path: str, payload: dict, monkeypatch: pytest.Monke
         writes.append(bytes(data[:sent]))
         return sent
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    config = Config()
-    config.bind = [f"127.0.0.1:{port}"]
-    config.accesslog = config.errorlog = None
     body = json.dumps(payload).encode()
     request = (b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                b"content-length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
@@ -50,26 +41,16 @@ async def exchange(app: Any, path: str, payload: dict, monkeypatch: pytest.Monke
     events: list = []
     monkeypatch.setattr(os, "write", recording_write)
     with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            shutdown = trio.Event()
-            nursery.start_soon(lambda: serve(app, config, shutdown_trigger=shutdown.wait))
-            while True:
-                try:
-                    stream = await trio.open_tcp_stream("127.0.0.1", port)
-                    break
-                except OSError:
-                    await trio.sleep(0.01)
-            async with stream:
-                await stream.send_all(request)
-                while not events or type(events[-1]) is not h11.EndOfMessage:
-                    data = await stream.receive_some()
-                    assert data, "the server closed the connection before the response ended"
-                    client.receive_data(data)
-                    while (event := client.next_event()) is not h11.NEED_DATA:
-                        events.append(event)
-                        if type(event) is h11.EndOfMessage:
-                            break
-            shutdown.set()
+        async with hypercorn_connection(app) as stream:
+            await stream.send_all(request)
+            while not events or type(events[-1]) is not h11.EndOfMessage:
+                data = await stream.receive_some()
+                assert data, "the server closed the connection before the response ended"
+                client.receive_data(data)
+                while (event := client.next_event()) is not h11.NEED_DATA:
+                    events.append(event)
+                    if type(event) is h11.EndOfMessage:
+                        break
     return writes, events
 
 
