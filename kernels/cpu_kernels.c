@@ -645,11 +645,9 @@ INLINE void prefetch_group(const uint8_t *row, size_t rb, int b, int nb) {
     _mm_prefetch(p + 128, _MM_HINT_T0);
 }
 
-/* dot(codes of block b, x_b) as 8 partial sums (fp32 x); Q6_K's two halves apart in *hi, its
- * codes not centred (see group_f32). */
-INLINE __m256 block_dot_ps(int fmt, const uint8_t *row, int nb, int b, const float *xb, __m256 *hi) {
-    __m256 f[4];
-    block_codes_q6(fmt, row, nb, b, f, 0);
+/* dot(codes f of one block, x_b) as 8 partial sums (fp32 x); Q6_K's two halves apart in *hi, its
+ * codes not centred (see group_f32). dot_rows calls it once per row of x on codes unpacked once. */
+INLINE __m256 codes_dot_ps(int fmt, const __m256 f[4], const float *xb, __m256 *hi) {
     __m256 s = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
     s = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), s);
     if (fmt == FMT_Q6_K) {
@@ -658,6 +656,13 @@ INLINE __m256 block_dot_ps(int fmt, const uint8_t *row, int nb, int b, const flo
     }
     s = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), s);
     return _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), s);
+}
+
+/* dot(codes of block b, x_b): its codes unpacked, then codes_dot_ps. */
+INLINE __m256 block_dot_ps(int fmt, const uint8_t *row, int nb, int b, const float *xb, __m256 *hi) {
+    __m256 f[4];
+    block_codes_q6(fmt, row, nb, b, f, 0);
+    return codes_dot_ps(fmt, f, xb, hi);
 }
 
 /* The scales and offsets of the 8 blocks from b (b a multiple of 8), for the formats with one
@@ -759,19 +764,6 @@ static float dot_row(int fmt, const uint8_t *row, size_t rb, const float *x, con
 /* Rows of x that dot_rows multiplies with one weight row at a time: each block's codes are
  * unpacked once into registers and multiplied with every row's x. */
 #define ROWS_MAX 8
-
-/* dot(codes f of one block, x_b) as 8 partial sums, the arithmetic of block_dot_ps from codes
- * already unpacked (not centred for Q6_K; its second half apart in *hi). */
-INLINE __m256 codes_dot_ps(int fmt, const __m256 f[4], const float *xb, __m256 *hi) {
-    __m256 s = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
-    s = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), s);
-    if (fmt == FMT_Q6_K) {
-        *hi = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
-        return s;
-    }
-    s = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), s);
-    return _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), s);
-}
 
 /* out[r] = dot(w_row, x row r) for R <= ROWS_MAX rows of x (``ldx`` floats apart, their block
  * sums ``ldxs`` apart), each row's sum bitwise dot_row_fmt's for that row alone: the same
