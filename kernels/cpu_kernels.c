@@ -681,6 +681,18 @@ INLINE void group_affine(int fmt, const uint8_t *meta, int nb, int b, __m256 *sc
          : _mm256_mul_ps(*scale, _mm256_set1_ps(fmt == FMT_Q4_0 ? -8.0f : fmt == FMT_Q5_0 ? -16.0f : 0.0f));
 }
 
+/* The scales d * sc of the first (lo) and second (hi) halves of Q6_K's 8 blocks from b, as
+ * vectors and as arrays. */
+INLINE void q6k_group_scales(const uint8_t *meta, int b, __m256 *slo, __m256 *shi,
+                             float lo[8], float hi[8]) {
+    const uint8_t *m = meta + (size_t)(b / 8) * 18;
+    const __m256 d = _mm256_set1_ps(half_to_float(m));
+    *slo = _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 2))));
+    *shi = _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 10))));
+    _mm256_storeu_ps(lo, *slo);
+    _mm256_storeu_ps(hi, *shi);
+}
+
 /* 8 blocks from b into acc: each block's sum of code * x times its scale, plus its offset times
  * the sum of its x (``xsum``). The scales and offsets of 8 blocks are applied as vectors. */
 INLINE __m256 group_f32(int fmt, const uint8_t *row, const uint8_t *meta, int nb, int b,
@@ -690,13 +702,9 @@ INLINE __m256 group_f32(int fmt, const uint8_t *row, const uint8_t *meta, int nb
         /* two scales a block, applied per block before the reduction; the codes' -32 comes as
          * -32 * scale * (sum of the half block's x), from x's half-block sums after its block
          * sums (xsum + nb: per group of 8 blocks, 8 first halves then 8 second halves) */
-        const uint8_t *m = meta + (size_t)(b / 8) * 18;
-        const __m256 d = _mm256_set1_ps(half_to_float(m));
-        const __m256 slo = _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 2))));
-        const __m256 shi = _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 10))));
+        __m256 slo, shi;
         float lo[8], hi[8];
-        _mm256_storeu_ps(lo, slo);
-        _mm256_storeu_ps(hi, shi);
+        q6k_group_scales(meta, b, &slo, &shi, lo, hi);
         for (int j = 0; j < 8; j++) {
             __m256 h;
             const __m256 l = block_dot_ps(fmt, row, nb, b + j, x + (size_t)(b + j) * 32, &h);
@@ -799,13 +807,9 @@ INLINE void dot_rows_fmt(int fmt, const uint8_t *row, size_t rb, const float *x,
     for (; b + 8 <= nb; b += 8) {
         prefetch_group(row, rb, b, nb);
         if (fmt == FMT_Q6_K) {  /* group_f32's Q6_K branch, row by row */
-            const uint8_t *m = meta + (size_t)(b / 8) * 18;
-            const __m256 d = _mm256_set1_ps(half_to_float(m));
-            const __m256 slo = _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 2))));
-            const __m256 shi = _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 10))));
+            __m256 slo, shi;
             float lo[8], hi[8];
-            _mm256_storeu_ps(lo, slo);
-            _mm256_storeu_ps(hi, shi);
+            q6k_group_scales(meta, b, &slo, &shi, lo, hi);
             for (int j = 0; j < 8; j++) {
                 __m256 f[4];
                 block_codes_q6(fmt, row, nb, b + j, f, 0);
