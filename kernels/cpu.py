@@ -137,6 +137,22 @@ def availability() -> tuple[CpuKernels | None, str | None]:
         return None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
+def waits_sleep_at_once() -> bool:
+    """Whether this process's OpenMP threads sleep as soon as they wait (a spin count of 0),
+    read from the environment as libgomp reads it when it loads: GOMP_SPINCOUNT where set, else
+    OMP_WAIT_POLICY=PASSIVE. A barrier then costs a sleep and a wake-up (tens of microseconds),
+    which decides whether a short op pays for a second thread."""
+    spins = os.environ.get("GOMP_SPINCOUNT", "").strip().lower()
+    if spins:
+        if spins in ("infinite", "infinity"):
+            return False
+        try:
+            return float(spins) <= 0  # libgomp also takes a suffix (k, M...): >0 whatever it is
+        except ValueError:
+            return spins.startswith(("0", "-"))
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+
+
 def load() -> CpuKernels | None:
     """The kernels, built if needed; None where they cannot run (the torch path is used then)."""
     return availability()[0]

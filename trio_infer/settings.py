@@ -136,12 +136,14 @@ class Settings(BaseSettings):
         "(models/llama.py step_threads), which leaves the other cores to the event loop. The fake "
         "model runs on one."
     )
-    omp_wait_policy: Literal["passive", "active", "inherit"] = Field(
-        "passive",
-        description="OpenMP wait policy of the batching worker's threads between parallel "
-        "regions (torch and the CPU kernels): 'passive' sleeps (right when the cores are shared "
-        "with the front end or anything else), 'active' spins (fastest on cores the worker has "
-        "to itself, collapses when they are shared), 'inherit' keeps OMP_WAIT_POLICY.",
+    omp_wait_policy: Literal["brief", "passive", "active", "inherit"] = Field(
+        "brief",
+        description="OpenMP wait policy of the batching worker's threads at a barrier and between "
+        "parallel regions (torch and the CPU kernels): 'brief' spins about 10 us, then sleeps "
+        "(GOMP_SPINCOUNT=1000: a decode step's ops meet at a barrier hundreds of times a step); "
+        "'passive' sleeps at once (then a narrow decode step runs on one thread: models/llama.py "
+        "step_threads); 'active' spins (fastest on cores the worker has to itself, collapses when "
+        "they are shared); 'inherit' keeps OMP_WAIT_POLICY and GOMP_SPINCOUNT.",
     )
     keep_gguf_blocks: bool = Field(
         True,
@@ -340,10 +342,27 @@ class Wiring:
         return self.listen_fd is not None
 
 
+# The spins of the 'brief' wait policy: libgomp's own estimate is about 100 spins a microsecond,
+# so ~10 us before a waiting thread sleeps. At batch 1 on SmolLM2-135M Q4_1, two threads' decode
+# step took 5.5-6.4 ms with 1,000 to 50,000 spins alike, 16.7 ms sleeping at once and 10.5 ms on
+# one thread (docs/benchmarks.md): a barrier is met within microseconds when both threads run,
+# so a short spin catches it, and a thread whose partner was descheduled gives its core back soon.
+BRIEF_SPIN_COUNT = 1000
+
+
 def worker_environment(settings: Settings) -> dict[str, str]:
     """The environment of a batching worker process: ours, with the OpenMP wait policy the
-    settings choose (read once, when torch loads in the worker, so it cannot be set later)."""
+    settings choose (read once, when an OpenMP library loads in the worker, so it cannot be set
+    later). GOMP_SPINCOUNT, where set, overrides libgomp's OMP_WAIT_POLICY, so each policy
+    sets or clears both."""
     env = dict(os.environ)
-    if settings.omp_wait_policy != "inherit":
-        env["OMP_WAIT_POLICY"] = settings.omp_wait_policy.upper()
+    policy = settings.omp_wait_policy
+    if policy == "inherit":
+        return env
+    env.pop("GOMP_SPINCOUNT", None)
+    env.pop("OMP_WAIT_POLICY", None)
+    if policy == "brief":
+        env["GOMP_SPINCOUNT"] = str(BRIEF_SPIN_COUNT)
+    else:
+        env["OMP_WAIT_POLICY"] = policy.upper()
     return env

@@ -87,6 +87,7 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "(default)"),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "(unset)"),
     }
     try:

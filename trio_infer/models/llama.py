@@ -44,6 +44,7 @@ from kernels.cpu import (
     Packed,
     PackedParts,
     PackedWeight,
+    waits_sleep_at_once,
 )
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.models.attention import paged_attention
@@ -61,20 +62,26 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # A one-call decode step whose rows times weight bytes come to less than this runs on one
-# thread, whatever the worker's count: its ops are so short (tens of microseconds for a
-# 135M model at batch 1) that the barrier after each, with OpenMP's passive waits, costs more
-# than a second thread gains. Measured end to end on 2 cores (docs/benchmarks.md): SmolLM2-135M
-# Q4_1 (98 MB of linears) at batch 1 was 0.68x as fast on two threads as on one; at batch 8
-# 1.19x as fast, at 32 1.39x. 512 MB puts the switch at batch 6 for that model and runs a
-# 1 GB model on every thread from batch 1.
+# thread when OpenMP's waiting threads sleep at once (OMP_WAIT_POLICY=PASSIVE): its ops are so
+# short (tens of microseconds for a 135M model at batch 1) that a sleep and a wake-up at the
+# barrier after each cost more than a second thread gains. Measured end to end on 2 cores
+# (docs/benchmarks.md): SmolLM2-135M Q4_1 (98 MB of linears) at batch 1 was 0.68x as fast on two
+# sleeping threads as on one; at batch 8 1.19x as fast, at 32 1.39x. 512 MB puts the switch at
+# batch 6 for that model and runs a 1 GB model on every thread from batch 1. With a brief spin
+# before sleeping (the server's default, settings.BRIEF_SPIN_COUNT) every step uses every thread:
+# the same batch-1 step took 5.5 ms on two threads against 10.5 ms on one.
 SERIAL_STEP_BYTES = 512 * 2**20
 
 
-def step_threads(rows: int, weight_bytes: int, threads: int) -> int:
+def step_threads(rows: int, weight_bytes: int, threads: int, waits_sleep: bool) -> int:
     """The threads a one-call decode step of ``rows`` rows over ``weight_bytes`` of linears
-    runs on, out of ``threads``: one below :data:`SERIAL_STEP_BYTES` of work, else all.
+    runs on, out of ``threads``: every one, unless waiting threads sleep at once
+    (``waits_sleep``) and the step is below :data:`SERIAL_STEP_BYTES` of work, then one.
     The kernels split every op by output rows, so the logits do not depend on the count."""
-    return 1 if rows * weight_bytes < SERIAL_STEP_BYTES else threads
+    if waits_sleep and rows * weight_bytes < SERIAL_STEP_BYTES:
+        return 1
+    return threads
+
 
 # Checkpoint projection -> (fused parameter, index of its part in the fused output).
 _FUSED_PARTS: dict[str, tuple[str, int]] = {
@@ -497,6 +504,7 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode = parallel is None
         self._decode_steps: dict[tuple[int, torch.dtype], DecodeStep | None] = {}
         self._step_bytes = 0  # the one-call step's linears, for step_threads
+        self._waits_sleep = waits_sleep_at_once()  # read as OpenMP read it, at load
 
     @torch.inference_mode()
     def forward(
@@ -512,7 +520,8 @@ class LlamaForCausalLM(nn.Module):
         """
         step = self._decode_step(batch, k_caches[0]) if self.fused_decode else None
         if step is not None:
-            threads = step_threads(batch.num_tokens, self._step_bytes, torch.get_num_threads())
+            threads = step_threads(batch.num_tokens, self._step_bytes, torch.get_num_threads(),
+                                   self._waits_sleep)
             return step(batch.input_ids, batch.positions, batch.slot_mapping, batch.page_table,
                         batch.seq_lens, batch.max_seq_len, k_caches, v_caches, threads)
         if self.parallel is None:
