@@ -132,8 +132,8 @@ class Settings(BaseSettings):
     )
     torch_threads: int = Field(
         0, ge=0, description="torch intra-op threads of the batching worker; 0 = every core. "
-        "A decode step too short for a second thread to pay runs on one whatever this says "
-        "(models/llama.py step_threads), which leaves the other cores to the event loop. The fake "
+        "A narrow decode step (SmolLM2-135M below batch 6) runs on one thread or on all of them, "
+        "whichever its measured step times say is faster now (models/step_threads.py). The fake "
         "model runs on one."
     )
     omp_wait_policy: Literal["brief", "passive", "active", "inherit"] = Field(
@@ -141,8 +141,8 @@ class Settings(BaseSettings):
         description="OpenMP wait policy of the batching worker's threads at a barrier and between "
         "parallel regions (torch and the CPU kernels): 'brief' spins about 10 us, then sleeps "
         "(GOMP_SPINCOUNT=1000: a decode step's ops meet at a barrier hundreds of times a step); "
-        "'passive' sleeps at once (then a narrow decode step runs on one thread: models/llama.py "
-        "step_threads); 'active' spins (fastest on cores the worker has to itself, collapses when "
+        "'passive' sleeps at once (a narrow decode step then tries one thread first: "
+        "models/step_threads.py); 'active' spins (fastest on cores the worker has to itself, collapses when "
         "they are shared); 'inherit' keeps OMP_WAIT_POLICY and GOMP_SPINCOUNT.",
     )
     keep_gguf_blocks: bool = Field(

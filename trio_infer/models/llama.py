@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+import time
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.models.attention import paged_attention
 from trio_infer.models.base import ModelInfo
 from trio_infer.models.parallel import Collectives
+from trio_infer.models.step_threads import StepThreads
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -60,28 +62,6 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 # Rotary variants whose frequencies do not depend on the sequence length, so one cos/sin table
 # computed at load time is exact. "dynamic" and "longrope" change with the context length.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-# A one-call decode step whose rows times weight bytes come to less than this runs on one
-# thread when OpenMP's waiting threads sleep at once (OMP_WAIT_POLICY=PASSIVE): its ops are so
-# short (tens of microseconds for a 135M model at batch 1) that a sleep and a wake-up at the
-# barrier after each cost more than a second thread gains. Measured end to end on 2 cores
-# (docs/benchmarks.md): SmolLM2-135M Q4_1 (98 MB of linears) at batch 1 was 0.68x as fast on two
-# sleeping threads as on one; at batch 8 1.19x as fast, at 32 1.39x. 512 MB puts the switch at
-# batch 6 for that model and runs a 1 GB model on every thread from batch 1. With a brief spin
-# before sleeping (the server's default, settings.BRIEF_SPIN_COUNT) every step uses every thread:
-# the same batch-1 step took 5.5 ms on two threads against 10.5 ms on one.
-SERIAL_STEP_BYTES = 512 * 2**20
-
-
-def step_threads(rows: int, weight_bytes: int, threads: int, waits_sleep: bool) -> int:
-    """The threads a one-call decode step of ``rows`` rows over ``weight_bytes`` of linears
-    runs on, out of ``threads``: every one, unless waiting threads sleep at once
-    (``waits_sleep``) and the step is below :data:`SERIAL_STEP_BYTES` of work, then one.
-    The kernels split every op by output rows, so the logits do not depend on the count."""
-    if waits_sleep and rows * weight_bytes < SERIAL_STEP_BYTES:
-        return 1
-    return threads
-
 
 # Checkpoint projection -> (fused parameter, index of its part in the fused output).
 _FUSED_PARTS: dict[str, tuple[str, int]] = {
@@ -504,7 +484,7 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode = parallel is None
         self._decode_steps: dict[tuple[int, torch.dtype], DecodeStep | None] = {}
         self._step_bytes = 0  # the one-call step's linears, for step_threads
-        self._waits_sleep = waits_sleep_at_once()  # read as OpenMP read it, at load
+        self.step_threads = StepThreads(waits_sleep_at_once())  # read as OpenMP read it
 
     @torch.inference_mode()
     def forward(
@@ -520,10 +500,14 @@ class LlamaForCausalLM(nn.Module):
         """
         step = self._decode_step(batch, k_caches[0]) if self.fused_decode else None
         if step is not None:
-            threads = step_threads(batch.num_tokens, self._step_bytes, torch.get_num_threads(),
-                                   self._waits_sleep)
-            return step(batch.input_ids, batch.positions, batch.slot_mapping, batch.page_table,
-                        batch.seq_lens, batch.max_seq_len, k_caches, v_caches, threads)
+            rows, available = batch.num_tokens, torch.get_num_threads()
+            threads = self.step_threads.choose(rows, self._step_bytes, available)
+            start = time.perf_counter()
+            logits = step(batch.input_ids, batch.positions, batch.slot_mapping, batch.page_table,
+                          batch.seq_lens, batch.max_seq_len, k_caches, v_caches, threads)
+            if StepThreads.narrow(rows, self._step_bytes, available):
+                self.step_threads.record(rows, available, threads, time.perf_counter() - start)
+            return logits
         if self.parallel is None:
             hidden = ops.embedding(batch.input_ids, _table_weight(self.model.embed_tokens))
         else:
