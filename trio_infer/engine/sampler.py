@@ -72,7 +72,9 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], top_k: list[int]) 
 def argmax_ids(logits: torch.Tensor) -> list[int]:
     """The index of each row's largest logit (the first on a tie), as a list: through numpy for
     CPU fp32 logits (vectorised, ~20x torch's CPU argmax), through torch elsewhere."""
-    return _argmax_rows(logits).tolist()
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return np.argmax(logits.numpy(), axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
 
 
 def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
