@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from trio_infer.engine.sampler import sample
+from trio_infer.engine.sampler import argmax_ids, sample
 from trio_infer.engine.sequence import Sequence
 from trio_infer.wire import SamplingParams
 
@@ -101,3 +101,30 @@ def test_logprobs_chosen_and_top() -> None:
     assert abs(lp.logprob - float(ref.max())) < 1e-5
     assert [t for t, _ in lp.top] == torch.topk(ref, 3).indices.tolist()
     assert res.logprobs[1] is None
+
+
+def test_argmax_ids_is_torchs_argmax() -> None:
+    """The sampler's argmax (numpy on CPU fp32) picks what torch's does: the first of equal
+    maxima, a NaN as the maximum, index 0 of a row of -inf; other dtypes go through torch."""
+    x = logits(3)
+    x[0, 7] = x[0, 11] = x[0].max() + 1  # a tie: the first wins
+    x[1, 4] = float("nan")
+    x[2] = float("-inf")
+    assert argmax_ids(x) == x.argmax(-1).tolist() == [7, 4, 0]
+    assert argmax_ids(x[:, ::2]) == x[:, ::2].argmax(-1).tolist()  # strided rows
+    y = logits(4, seed=1).to(torch.bfloat16)
+    assert argmax_ids(y) == y.argmax(-1).tolist()
+
+
+def test_a_mixed_batch_samples_each_row_as_alone() -> None:
+    """Plain greedy rows, a penalised one, a logprobs one and a seeded sampled one in one batch:
+    each row's token (and logprob) is what it gets alone."""
+    x = logits(4, seed=2)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, repetition_penalty=2.0),
+              SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0.8, seed=5)]
+    together = sample(x.clone(), [seq(p, output=[3, 9]) for p in params])
+    for i, p in enumerate(params):
+        alone = sample(x[i : i + 1].clone(), [seq(p, output=[3, 9])])
+        assert together.token_ids[i] == alone.token_ids[0]
+        assert together.logprobs[i] == alone.logprobs[0]
+    assert together.logprobs[2] is not None and together.logprobs[0] is None

@@ -46,6 +46,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self._aranges: dict[int, torch.Tensor] = {}  # batch size -> arange(n + 1), on the device
 
     def prepare(self, schedule: Schedule) -> tuple[ForwardBatch, PromptRows | None, Drafts | None]:
         """Build the step's input tensors from the schedule's snapshot (not from live state).
@@ -151,28 +152,47 @@ class ModelRunner:
         """:meth:`prepare` for the common step: every item one token that samples, with no draft
         and no prompt logprobs. The same tensors as the general path, built by one pass per
         list instead of a dozen appends per item (at 256 running sequences the general loop was
-        most of the step's Python)."""
+        most of the step's Python), all into one ``array`` that becomes one tensor (one device
+        copy off the CPU), of which the batch's tensors are views; ``query_start_loc`` and
+        ``logits_indices`` are the same ``arange`` at every step of a batch size, kept."""
         items = schedule.items
         page_size = self.kv_cache.page_size
         n = len(items)
         max_pages = max(len(it.pages) for it in items)
         starts = [it.start for it in items]
+        flat = array("q", [it.seq.token_ids[it.start] for it in items])
+        flat.extend(starts)
+        flat.extend([it.pages[it.start // page_size] * page_size + it.start % page_size
+                     for it in items])
+        flat.extend([s + 1 for s in starts])
         pad = (0,) * max_pages
-        pages = [p for it in items for p in (it.pages + pad[len(it.pages):])]
-        dev = self.device
+        for it in items:
+            flat.extend(it.pages)
+            if len(it.pages) < max_pages:
+                flat.extend(pad[len(it.pages):])
+        t = torch.frombuffer(flat, dtype=torch.int64)  # shares flat's memory and keeps it alive
+        if self.device.type != "cpu":
+            t = t.to(self.device)
+        rows = self._row_indices(n)
         return ForwardBatch(
-            input_ids=_int64([it.seq.token_ids[it.start] for it in items]).to(dev),
-            positions=_int64(starts).to(dev),
-            slot_mapping=_int64([it.pages[it.start // page_size] * page_size + it.start % page_size
-                                 for it in items]).to(dev),
-            page_table=_int64(pages).view(n, max_pages).to(dev),
-            seq_lens=_int64([s + 1 for s in starts]).to(dev),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int64).to(dev),
+            input_ids=t[:n],
+            positions=t[n : 2 * n],
+            slot_mapping=t[2 * n : 3 * n],
+            page_table=t[4 * n :].view(n, max_pages),
+            seq_lens=t[3 * n : 4 * n],
+            query_start_loc=rows,
             num_decodes=schedule.num_decodes,
-            logits_indices=torch.arange(n, dtype=torch.int64).to(dev),
+            logits_indices=rows[:n],
             max_query_len=1,
             max_seq_len=max(starts) + 1,
         )
+
+    def _row_indices(self, n: int) -> torch.Tensor:
+        """``arange(n + 1)`` on the device, made once per batch size (nothing writes to it)."""
+        rows = self._aranges.get(n)
+        if rows is None:
+            rows = self._aranges[n] = torch.arange(n + 1, dtype=torch.int64).to(self.device)
+        return rows
 
     def run(
         self,

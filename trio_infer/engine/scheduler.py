@@ -190,8 +190,15 @@ class Scheduler:
 
         if not items:
             return None
-        items.sort(key=lambda it: not it.decode_rows)  # stable: decodes first
-        num_decodes = sum(it.num_tokens for it in items if it.decode_rows)
+        num_decodes = 0
+        chunks = False
+        for it in items:  # one pass; a step of decodes only (the common one) needs no sort
+            if it.decode_rows:
+                num_decodes += it.num_tokens
+            else:
+                chunks = True
+        if chunks:
+            items.sort(key=lambda it: not it.decode_rows)  # stable: decodes first
         return Schedule(items, num_decodes, preempted)
 
     def record_computed(self, seq: Sequence) -> None:

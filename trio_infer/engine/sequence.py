@@ -68,6 +68,15 @@ class Sequence:
     # n-gram index, or its draft model's pages and progress: engine/draft.py) and its acceptance
     # record; None when it does not speculate (off, opted out, or a request it cannot serve).
     proposer: Proposer | None = None
+    # Whether the sampler needs nothing for this row but its logits, temperature and truncation
+    # (no penalties, logit_bias, min_tokens, thinking budget or logprobs): decided once here, so
+    # a step's sampler looks at the others only (engine/sampler.py).
+    plain_sampling: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain_sampling = not (p.adjusted or p.min_tokens or p.thinking_budget is not None
+                                   or p.logprobs is not None)
 
     @property
     def queue_key(self) -> tuple[int, int]:

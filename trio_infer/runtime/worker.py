@@ -229,7 +229,10 @@ _CHUNK = 1 << 20
 
 
 def _drain(sock: socket.socket, core: WorkerCore, block: bool, port: int = 0) -> bool:
-    """Apply what the front end sent (waiting for something first if ``block``). False on EOF."""
+    """Apply what the front end sent (waiting for something first if ``block``). False on EOF.
+    A read shorter than the buffer took everything there was: the loop's next ``select`` sees
+    what came after, so the common turn (a frame of credits a step) costs one ``recv``, not a
+    second one that finds nothing."""
     flags = 0 if block else socket.MSG_DONTWAIT
     while True:
         try:
@@ -239,6 +242,8 @@ def _drain(sock: socket.socket, core: WorkerCore, block: bool, port: int = 0) ->
         if not data:
             return False
         core.receive_data(data, port)
+        if len(data) < _CHUNK:
+            return True
         flags = socket.MSG_DONTWAIT
 
 
