@@ -14,7 +14,8 @@ from kernels import cpu
 from trio_infer.engine.engine import Engine, EngineConfig
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.sampler import probabilities
-from trio_infer.engine.speculative import COOLDOWN_STEPS, Drafts, Payoff, PromptLookup, verify
+from trio_infer.engine.speculative import (COOLDOWN_STEPS, LONG_MATCH, Drafts, Payoff, PromptLookup,
+                                           verify)
 from trio_infer.models.base import ModelInfo
 from trio_infer.models.default_model import default_cache_dir, default_model_file
 from trio_infer.models.loader import load_model
@@ -50,14 +51,38 @@ def run(engine: Engine, requests: dict, stagger: int = 0) -> dict[object, list[i
 
 
 def test_lookup_proposes_what_followed_the_latest_match_longest_first() -> None:
-    lookup = PromptLookup(max_ngram=3, num_tokens=4, min_acceptance=0.0)
+    lookup = PromptLookup(max_ngram=3, num_tokens=5, min_acceptance=0.0)
     # "7 8 9" occurs twice; the latest occurrence is followed by 50 51; "8 9" alone by 60.
+    # Both agree with the suffix for 3 tokens only (a short match: at most k - 1 = 4 tokens).
     ids = [7, 8, 9, 1, 2, 3, 4, 5, 7, 8, 9, 50, 51, 8, 9, 60, 7, 8, 9]
     assert lookup.propose(ids, limit=10) == [50, 51, 8, 9]
     assert lookup.propose(ids, limit=2) == [50, 51]
     assert lookup.propose([*ids, 99], limit=4) == []  # 99 never occurred before
     # Indexed incrementally: a suffix that only now has an earlier occurrence is found.
     assert lookup.propose([*ids, 99, 7, 8, 9, 99], limit=4) == [7, 8, 9, 99][:4]
+
+
+def test_lookup_copies_after_the_occurrence_that_agrees_longest() -> None:
+    """Of the occurrences of the matching n-gram, the one whose agreement with the suffix reaches
+    furthest back, even if it is not the latest; a short match drafts k - 1 tokens at most."""
+    passage = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    ids = [*passage, 99, 14, 15, 77, 13, 14, 15]  # "14 15" latest after 99; "13 14 15" in passage
+    lookup = PromptLookup(max_ngram=2, num_tokens=4, min_acceptance=0.0, min_ngram=2)
+    assert lookup.propose(ids, limit=9) == [16, 17, 18]  # agreement 3 < LONG_MATCH: k - 1
+    ids = [*passage, 99, 14, 15, 77, 99, 14, 15]
+    assert lookup.propose(ids, limit=9) == [77, 99, 14]  # the latest agrees for 3: it wins
+
+
+def test_a_long_match_drafts_k_and_a_short_one_adapts_below_k() -> None:
+    passage = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    copying = [*passage, 99, 14, 15, 77, *passage[:LONG_MATCH]]  # agrees for LONG_MATCH tokens
+    lookup = PromptLookup(max_ngram=2, num_tokens=4, min_acceptance=0.0, min_ngram=2)
+    assert lookup.propose(copying, limit=9) == passage[LONG_MATCH : LONG_MATCH + 4]
+    assert lookup.propose(copying, limit=2) == passage[LONG_MATCH : LONG_MATCH + 2]
+    lookup.record(proposed=4, accepted=0)  # the short matches' length: 3 -> 2
+    assert lookup.propose(copying, limit=9) == passage[LONG_MATCH : LONG_MATCH + 4]
+    short = [*passage, 99, 14, 15, 77, 13, 14, 15]
+    assert lookup.propose(short, limit=9) == [16, 17]
 
 
 def test_lookup_never_matches_the_suffix_itself() -> None:
@@ -79,7 +104,8 @@ def test_low_acceptance_pauses_proposals_then_retries() -> None:
 
 
 def test_draft_length_grows_after_kept_drafts_and_shrinks_after_cut_ones() -> None:
-    lookup = PromptLookup(max_ngram=2, num_tokens=3, min_acceptance=0.0, min_ngram=2)
+    """A short match's draft adapts within 1..k - 1 (k is for long matches: the test above)."""
+    lookup = PromptLookup(max_ngram=2, num_tokens=4, min_acceptance=0.0, min_ngram=2)
     ids = [5, 6, 7, 8, 9, 10, 5, 6]
     assert lookup.propose(ids, limit=9) == [7, 8, 9]
     lookup.record(proposed=3, accepted=1)
@@ -90,6 +116,9 @@ def test_draft_length_grows_after_kept_drafts_and_shrinks_after_cut_ones() -> No
     assert lookup.propose(ids, limit=9) == [7]  # never below one
     lookup.record(proposed=1, accepted=1)
     assert lookup.propose(ids, limit=9) == [7, 8]
+    lookup.record(proposed=2, accepted=2)
+    lookup.record(proposed=3, accepted=3)
+    assert lookup.propose(ids, limit=9) == [7, 8, 9]  # never k on a short match
     fresh = PromptLookup(max_ngram=2, num_tokens=3, min_acceptance=0.0, min_ngram=2)
     assert fresh.propose([6, 7, 9, 6], limit=9) == []  # "6" occurred, but one token is too short
 

@@ -58,7 +58,7 @@ from trio_infer.bench.engine_setup import (
     token_range,
     torch_dtype,
 )
-from trio_infer.bench.grounded import make_grounded_workload
+from trio_infer.bench.grounded import DEFAULT_KINDS, KINDS, make_grounded_workload
 from trio_infer.bench.profile import run_profile
 from trio_infer.bench.workload import make_workload, parse_range
 
@@ -148,6 +148,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--workload", choices=("random", "grounded"), default="random",
                       help="grounded: rewrite / summarize a given passage, edit a given code "
                       "file (bench/grounded.py), through the model's chat template")
+    spec.add_argument("--grounded-kinds", default=",".join(DEFAULT_KINDS),
+                      help="--workload grounded: the kinds of prompt, comma-separated, of "
+                      f"{', '.join(KINDS)} (default: %(default)s); measure one kind at a time "
+                      "to see each kind's figure")
     spec.add_argument("--speculative-tokens", type=int, default=None,
                       help="k: tokens guessed per step (default: the server's)")
     spec.add_argument("--speculative-max-batch", type=int, default=None,
@@ -183,8 +187,12 @@ def main(args: argparse.Namespace) -> int:
     vocab = model_config(path).vocab_size
     first_id, end_id = token_range(vocab, special_token_ids(path))
     if args.workload == "grounded":
+        kinds = tuple(k for k in args.grounded_kinds.split(",") if k)
+        if not kinds or not set(kinds) <= set(KINDS):
+            raise SystemExit(f"error: --grounded-kinds takes some of {', '.join(KINDS)}")
         workload = make_grounded_workload(_tokenizer(path, args), args.num_prompts,
-                                          args.output_len, seed=args.seed)
+                                          args.output_len, seed=args.seed, kinds=kinds)
+        print(f"grounded kinds: {', '.join(kinds)}", flush=True)
     else:
         workload = make_workload(
             args.num_prompts, args.input_len, args.output_len, end_id,
@@ -451,6 +459,7 @@ def run_speculative(path: Path, args: argparse.Namespace, workload: list, thread
         stats.write_json(args.output_json, {
             "runs": runs, "median_output_tok_s": median, "ratios": ratios,
             "config": {"model": str(path), "workload": args.workload, "threads": threads,
+                       "grounded_kinds": args.grounded_kinds if args.workload == "grounded" else "",
                        "num_prompts": args.num_prompts, "input_len": str(args.input_len),
                        "output_len": str(args.output_len), "ignore_eos": args.ignore_eos,
                        "seed": args.seed, "rounds": args.rounds,
