@@ -71,6 +71,7 @@ def test_offline_speculative_grounded(tiny_checkpoint: Path, tmp_path: Path) -> 
     data = json.loads(out.read_text())
     assert len(data["runs"]["ours-speculative"]) == len(data["runs"]["ours-plain"]) == 2
     assert set(data["ratios"]) == {"ours-plain"}
+    assert data["decode_ratio"] > 0  # batch 1: the decode phase alone, too
     assert data["config"]["engine"]["speculative"] == "ngram"
 
 
