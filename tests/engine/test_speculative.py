@@ -142,6 +142,22 @@ def test_payoff_pauses_drafting_when_it_emits_tokens_slower() -> None:
     assert payoff.pauses == 1 and payoff.probes == 0
 
 
+def test_payoff_compares_the_rate_of_tokens_not_the_average_step() -> None:
+    """Verify steps that keep nothing (1 token, 8 ms) and steps that keep four (5 tokens, 10 ms)
+    emit 6 tokens in 18 ms: 3 ms a token, faster than plain steps' 5 ms, though the average of
+    each step's ms per token (5 ms) is not."""
+    payoff = Payoff(min_samples=4, pause=3, weight=0.5)
+    for _ in range(4):
+        payoff.record(batch=1, seconds=0.005, tokens=1, drafted=False)
+    for i in range(16):
+        if i % 2:
+            payoff.record(batch=1, seconds=0.010, tokens=5, drafted=True)
+        else:
+            payoff.record(batch=1, seconds=0.008, tokens=1, drafted=True)
+        assert payoff.allows()
+    assert payoff.pauses == 0
+
+
 def test_payoff_pauses_drafting_to_measure_plain_steps_it_never_saw() -> None:
     """A draft model drafts at every step: after min_samples drafting steps with no plain one,
     drafting pauses for min_samples steps, the plain ones are measured, and the verdict follows."""

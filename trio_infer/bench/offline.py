@@ -156,6 +156,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="k: tokens guessed per step (default: the server's)")
     spec.add_argument("--speculative-max-batch", type=int, default=None,
                       help="the off-switch's batch size (default: the server's)")
+    spec.add_argument("--no-speculative-payoff", action="store_true",
+                      help="without the measured off-switch (speculative_payoff): drafting is "
+                      "decided by the proposal rules alone")
     spec.add_argument("--rounds", type=int, default=2,
                       help="interleaved rounds (--speculative, --tensor-parallel)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
@@ -401,6 +404,8 @@ def run_speculative(path: Path, args: argparse.Namespace, workload: list, thread
         spec_kw["speculative_tokens"] = args.speculative_tokens
     if args.speculative_max_batch:
         spec_kw["speculative_max_batch"] = args.speculative_max_batch
+    if args.no_speculative_payoff:
+        spec_kw["speculative_payoff"] = False
     spec_config = dataclasses.replace(base.config, **spec_kw)
     model = base.model
     del base

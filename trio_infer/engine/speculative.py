@@ -209,9 +209,13 @@ class Payoff:
 
     The engine reports every decode-only step (no prefill chunk in it): how many sequences, its
     forward-and-sample seconds, the tokens it emitted, and whether it verified drafts. Each kind
-    keeps a running average of seconds per token per batch size; once both have
-    ``min_samples`` steps and drafting is the slower, :meth:`allows` says no for ``pause``
-    steps, and the drafting average starts again (the machine's load may have changed).
+    keeps running averages of its steps' seconds and of their tokens per batch size, and its
+    seconds per token is the one over the other: the rate at which its steps emit tokens. (Not
+    the average of each step's seconds per token: a verify step that keeps nothing, one token
+    for its rows, would weigh as much as one that keeps four, and drafting would look slower
+    than it runs.) Once both have ``min_samples`` steps and drafting is the slower,
+    :meth:`allows` says no for ``pause`` steps, and the drafting averages start again (the
+    machine's load may have changed).
     Drafting that has ``min_samples`` steps while plain decoding at that batch size has fewer
     (a draft model drafts at every step: no plain step would ever be measured) says no for as
     many steps as plain decoding lacks, so that both get measured (``probes`` counts those).
@@ -221,7 +225,9 @@ class Payoff:
         self.min_samples = min_samples
         self.pause = pause
         self.weight = weight
-        self._avg: dict[tuple[bool, int], float] = {}  # (drafted, batch) -> seconds per token
+        # (drafted, batch) -> running averages of a step's seconds and of its tokens
+        self._seconds: dict[tuple[bool, int], float] = {}
+        self._tokens: dict[tuple[bool, int], float] = {}
         self._count: dict[tuple[bool, int], int] = {}
         self._paused = 0
         self.pauses = 0  # times drafting was found slower, since start
@@ -238,10 +244,10 @@ class Payoff:
         if tokens <= 0 or seconds <= 0:
             return
         key = (drafted, batch)
-        per_token = seconds / tokens
         n = self._count.get(key, 0)
-        avg = self._avg.get(key, per_token)
-        self._avg[key] = avg + (self.weight if n else 1.0) * (per_token - avg)
+        w = self.weight if n else 1.0
+        self._seconds[key] = self._seconds.get(key, 0.0) * (1 - w) + w * seconds
+        self._tokens[key] = self._tokens.get(key, 0.0) * (1 - w) + w * tokens
         self._count[key] = n + 1
         plain = (False, batch)
         if not drafted or n + 1 < self.min_samples or self._paused:
@@ -250,7 +256,7 @@ class Payoff:
         if measured < self.min_samples:
             self._paused = self.min_samples - measured
             self.probes += 1
-        elif self._avg[key] > self._avg[plain]:
+        elif self._seconds[key] * self._tokens[plain] > self._seconds[plain] * self._tokens[key]:
             self._paused = self.pause
             self.pauses += 1
             self._count[key] = 0
