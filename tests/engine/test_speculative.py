@@ -103,6 +103,23 @@ def test_low_acceptance_pauses_proposals_then_retries() -> None:
     assert lookup.propose(ids, limit=2) == [2]
 
 
+def test_a_long_match_drafts_while_low_acceptance_holds_short_ones_off() -> None:
+    """The acceptance off-switch stops guesses from short matches; a copy in progress (a long
+    match) still drafts, and counts the cooldown down."""
+    passage = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    lookup = PromptLookup(max_ngram=2, num_tokens=4, min_acceptance=0.5, min_ngram=2)
+    short = [*passage, 99, 14, 15, 77, 13, 14, 15]
+    assert lookup.propose(short, limit=9) == [16, 17, 18]
+    lookup.record(proposed=3, accepted=0)  # 1.0 -> 0.7
+    lookup.record(proposed=3, accepted=0)  # 0.7 -> 0.49 < 0.5: off
+    assert lookup.propose(short, limit=9) == []
+    copying = [*passage, 99, 14, 15, 77, *passage[:LONG_MATCH]]
+    assert lookup.propose(copying, limit=9) == passage[LONG_MATCH : LONG_MATCH + 4]
+    for _ in range(COOLDOWN_STEPS - 2):  # the two calls above counted two of its steps
+        assert lookup.propose(short, limit=9) == []
+    assert lookup.propose(short, limit=9) != []
+
+
 def test_draft_length_grows_after_kept_drafts_and_shrinks_after_cut_ones() -> None:
     """A short match's draft adapts within 1..k - 1 (k is for long matches: the test above)."""
     lookup = PromptLookup(max_ngram=2, num_tokens=4, min_acceptance=0.0, min_ngram=2)

@@ -136,7 +136,8 @@ class PromptLookup(Proposer):
     pair such as ``", the"`` occurs all over the prompt. A match that agrees for at least
     ``LONG_MATCH`` tokens is a copy in progress and drafts all ``k`` tokens; a shorter one drafts
     the adapted length, at most ``k - 1`` (on the grounded workload a short match guesses wrong
-    about a third of the time, a long one rarely: docs/benchmarks.md).
+    about a third of the time, a long one rarely: docs/benchmarks.md). The acceptance off-switch
+    holds short matches off; a long one drafts through it.
     """
 
     def __init__(self, max_ngram: int, num_tokens: int, min_acceptance: float,
@@ -153,8 +154,9 @@ class PromptLookup(Proposer):
         """Up to ``min(k, limit)`` tokens guessed to follow ``token_ids``; [] when no n-gram of
         the suffix occurred before, or while the off-switch holds this sequence."""
         self._extend(token_ids)
+        cooling = self._cooldown > 0
         length = self._draft_length(limit)
-        if length <= 0:
+        if limit <= 0:
             return []
         n = len(token_ids)
         for m in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
@@ -168,6 +170,8 @@ class PromptLookup(Proposer):
                     best, agree = nxt, a
             if agree >= LONG_MATCH:
                 length = min(limit, self.num_tokens)
+            elif cooling:
+                return []
             return token_ids[best : best + length]
         return []
 
