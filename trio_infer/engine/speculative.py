@@ -70,6 +70,14 @@ COOLDOWN_STEPS = 16
 # Weight of the newest verify step in a sequence's running acceptance average.
 _EMA = 0.3
 
+# A prompt-lookup match that agrees with the sequence's suffix for this many tokens at least is
+# a copy in progress: it drafts all k tokens (PromptLookup).
+LONG_MATCH = 6
+# Prompt lookup compares the suffix with at most this many of an n-gram's latest occurrences,
+# each for at most MAX_AGREEMENT tokens back.
+MAX_OCCURRENCES = 16
+MAX_AGREEMENT = 32
+
 
 class Proposer(ABC):
     """One sequence's drafting state, whatever guesses its tokens: the draft length now and its
@@ -152,7 +160,8 @@ class PromptLookup(Proposer):
 
     def propose(self, token_ids: list[int], limit: int) -> list[int]:
         """Up to ``min(k, limit)`` tokens guessed to follow ``token_ids``; [] when no n-gram of
-        the suffix occurred before, or while the off-switch holds this sequence."""
+        the suffix occurred before, or while the off-switch holds this sequence (unless the
+        match is long)."""
         self._extend(token_ids)
         cooling = self._cooldown > 0
         length = self._draft_length(limit)
@@ -187,15 +196,6 @@ class PromptLookup(Proposer):
             for m in range(1, min(self.max_ngram, i) + 1):
                 self._index[m - 1].setdefault(tuple(token_ids[i - m : i]), []).append(i)
         self._indexed = max(self._indexed, len(token_ids))
-
-
-# A prompt-lookup match that agrees with the sequence's suffix for this many tokens at least is
-# a copy in progress: it drafts all k tokens (PromptLookup).
-LONG_MATCH = 6
-# Prompt lookup compares the suffix with at most this many of an n-gram's latest occurrences,
-# each for at most MAX_AGREEMENT tokens back.
-MAX_OCCURRENCES = 16
-MAX_AGREEMENT = 32
 
 
 def _agreement(token_ids: list[int], nxt: int, m: int) -> int:
