@@ -75,6 +75,13 @@ def test_offline_speculative_grounded(tiny_checkpoint: Path, tmp_path: Path) -> 
     assert data["config"]["engine"]["speculative"] == "ngram"
 
 
+def test_offline_verify_rows(tiny_checkpoint: Path) -> None:
+    text = bench("offline", "--model", str(tiny_checkpoint), "--verify-rows", "3", "--input-len",
+                 "20", "--rounds", "2")
+    assert "x one row" in text and "context 17 tokens" in text
+    assert [line.split()[0] for line in text.splitlines() if line[:1].isdigit()][:3] == ["1", "2", "3"]
+
+
 def test_offline_speculative_draft(tiny_checkpoint: Path, tmp_path: Path) -> None:
     out = tmp_path / "draft.json"
     text = bench("offline", "--model", str(tiny_checkpoint), "--speculative", "draft",

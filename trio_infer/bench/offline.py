@@ -47,7 +47,9 @@ from trio_infer.bench.engine_setup import (
     DTYPES,
     build_engine,
     build_group_engine,
+    engine_config,
     is_gguf,
+    kv_bytes_per_token,
     loadavg,
     model_config,
     resolve_checkpoint,
@@ -159,6 +161,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--no-speculative-payoff", action="store_true",
                       help="without the measured off-switch (speculative_payoff): drafting is "
                       "decided by the proposal rules alone")
+    spec.add_argument("--verify-rows", type=int, default=0, metavar="N",
+                      help="instead of a workload: the cost of one forward of 1..N one-token "
+                      "rows of one sequence, as a verify step lays them out (context: "
+                      "--input-len's low end, to a page), interleaved --rounds times, relative "
+                      "to one row")
     spec.add_argument("--rounds", type=int, default=2,
                       help="interleaved rounds (--speculative, --tensor-parallel)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
@@ -186,6 +193,8 @@ def main(args: argparse.Namespace) -> int:
         llamacpp.require()
     if args.profile:
         return run_profile(path, args, threads)
+    if args.verify_rows:
+        return run_verify_rows(path, args)
 
     vocab = model_config(path).vocab_size
     first_id, end_id = token_range(vocab, special_token_ids(path))
@@ -484,6 +493,57 @@ def run_speculative(path: Path, args: argparse.Namespace, workload: list, thread
             "environment": stats.environment(),
         })
         print(f"wrote {args.output_json}")
+    return 0
+
+
+def run_verify_rows(path: Path, args: argparse.Namespace) -> int:
+    """One forward of 1..N rows of one sequence laid out as a verify step (the last sampled
+    token and N - 1 guesses, ``ModelRunner.prepare`` of a one-item schedule), after a prefill
+    of about ``--input-len``'s low end tokens; the sizes interleaved (the order alternating) for
+    ``--rounds`` rounds; the fastest and the median of each, relative to one row's."""
+    import torch
+
+    from trio_infer.engine.engine import Engine
+    from trio_infer.engine.scheduler import Schedule, ScheduledSeq
+    from trio_infer.models.loader import load_model
+    from trio_infer.wire import SamplingParams
+
+    model = load_model(path, dtype=torch_dtype(args.dtype), device="cpu",
+                       keep_blocks=False if args.no_gguf_blocks else None,
+                       activations=args.activations)
+    n = args.verify_rows
+    engine = Engine(model, engine_config(args, args.input_len.lo + 64, kv_bytes_per_token(model.info),
+                                         False), device="cpu")
+    page = engine.config.page_size
+    if n >= page:
+        raise SystemExit(f"error: --verify-rows must be below the page size ({page})")
+    # One past a page boundary: the prefill's pages then hold the n rows after it too.
+    context = args.input_len.lo // page * page + 1
+    vocab = model.info.vocab_size
+    engine.add_request(0, [(7 * i) % (vocab - 2) + 1 for i in range(context)],
+                       SamplingParams(max_tokens=n + 2, temperature=0.0, ignore_eos=True))
+    engine.step()  # the prefill
+    seq = engine.scheduler.running[0]
+    assert len(seq.pages) * page >= seq.num_computed + n
+    batches = {}
+    for rows in range(1, n + 1):
+        item = ScheduledSeq(seq, seq.num_computed, rows, tuple(seq.pages), True,
+                            draft=tuple(range(1, rows)))
+        batches[rows] = engine.runner.prepare(Schedule([item], rows, []))[0]
+    kv = engine.runner.kv_cache
+    times: dict[int, list[float]] = {rows: [] for rows in batches}
+    with torch.inference_mode():
+        for r in range(args.rounds):
+            for rows in (batches if r % 2 else reversed(batches)):
+                t0 = time.perf_counter()
+                model.forward(batches[rows], kv.k, kv.v)
+                times[rows].append(time.perf_counter() - t0)
+    fast, mid = min(times[1]), statistics.median(times[1])
+    stats.print_table(["rows", "fastest ms", "x one row", "median ms", "x one row (median)"],
+                      [[rows, 1e3 * min(t), min(t) / fast, 1e3 * statistics.median(t),
+                        statistics.median(t) / mid] for rows, t in times.items()])
+    print(f"context {context} tokens, {torch.get_num_threads()} threads, {args.activations} "
+          f"activations, {args.rounds} rounds; load average {loadavg():.2f}")
     return 0
 
 
