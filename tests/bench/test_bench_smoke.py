@@ -71,7 +71,15 @@ def test_offline_speculative_grounded(tiny_checkpoint: Path, tmp_path: Path) -> 
     data = json.loads(out.read_text())
     assert len(data["runs"]["ours-speculative"]) == len(data["runs"]["ours-plain"]) == 2
     assert set(data["ratios"]) == {"ours-plain"}
+    assert data["decode_ratio"] > 0  # batch 1: the decode phase alone, too
     assert data["config"]["engine"]["speculative"] == "ngram"
+
+
+def test_offline_verify_rows(tiny_checkpoint: Path) -> None:
+    text = bench("offline", "--model", str(tiny_checkpoint), "--verify-rows", "3", "--input-len",
+                 "20", "--rounds", "2")
+    assert "x one row" in text and "context 17 tokens" in text
+    assert [line.split()[0] for line in text.splitlines() if line[:1].isdigit()][:3] == ["1", "2", "3"]
 
 
 def test_offline_speculative_draft(tiny_checkpoint: Path, tmp_path: Path) -> None:

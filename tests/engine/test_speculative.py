@@ -14,7 +14,8 @@ from kernels import cpu
 from trio_infer.engine.engine import Engine, EngineConfig
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.sampler import probabilities
-from trio_infer.engine.speculative import COOLDOWN_STEPS, Drafts, Payoff, PromptLookup, verify
+from trio_infer.engine.speculative import (COOLDOWN_STEPS, LONG_MATCH, Drafts, Payoff, PromptLookup,
+                                           verify)
 from trio_infer.models.base import ModelInfo
 from trio_infer.models.default_model import default_cache_dir, default_model_file
 from trio_infer.models.loader import load_model
@@ -50,14 +51,38 @@ def run(engine: Engine, requests: dict, stagger: int = 0) -> dict[object, list[i
 
 
 def test_lookup_proposes_what_followed_the_latest_match_longest_first() -> None:
-    lookup = PromptLookup(max_ngram=3, num_tokens=4, min_acceptance=0.0)
+    lookup = PromptLookup(max_ngram=3, num_tokens=5, min_acceptance=0.0)
     # "7 8 9" occurs twice; the latest occurrence is followed by 50 51; "8 9" alone by 60.
+    # Both agree with the suffix for 3 tokens only (a short match: at most k - 1 = 4 tokens).
     ids = [7, 8, 9, 1, 2, 3, 4, 5, 7, 8, 9, 50, 51, 8, 9, 60, 7, 8, 9]
     assert lookup.propose(ids, limit=10) == [50, 51, 8, 9]
     assert lookup.propose(ids, limit=2) == [50, 51]
     assert lookup.propose([*ids, 99], limit=4) == []  # 99 never occurred before
     # Indexed incrementally: a suffix that only now has an earlier occurrence is found.
     assert lookup.propose([*ids, 99, 7, 8, 9, 99], limit=4) == [7, 8, 9, 99][:4]
+
+
+def test_lookup_copies_after_the_occurrence_that_agrees_longest() -> None:
+    """Of the occurrences of the matching n-gram, the one whose agreement with the suffix reaches
+    furthest back, even if it is not the latest; a short match drafts k - 1 tokens at most."""
+    passage = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    ids = [*passage, 99, 14, 15, 77, 13, 14, 15]  # "14 15" latest after 99; "13 14 15" in passage
+    lookup = PromptLookup(max_ngram=2, num_tokens=4, min_acceptance=0.0, min_ngram=2)
+    assert lookup.propose(ids, limit=9) == [16, 17, 18]  # agreement 3 < LONG_MATCH: k - 1
+    ids = [*passage, 99, 14, 15, 77, 99, 14, 15]
+    assert lookup.propose(ids, limit=9) == [77, 99, 14]  # the latest agrees for 3: it wins
+
+
+def test_a_long_match_drafts_k_and_a_short_one_adapts_below_k() -> None:
+    passage = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    copying = [*passage, 99, 14, 15, 77, *passage[:LONG_MATCH]]  # agrees for LONG_MATCH tokens
+    lookup = PromptLookup(max_ngram=2, num_tokens=4, min_acceptance=0.0, min_ngram=2)
+    assert lookup.propose(copying, limit=9) == passage[LONG_MATCH : LONG_MATCH + 4]
+    assert lookup.propose(copying, limit=2) == passage[LONG_MATCH : LONG_MATCH + 2]
+    lookup.record(proposed=4, accepted=0)  # the short matches' length: 3 -> 2
+    assert lookup.propose(copying, limit=9) == passage[LONG_MATCH : LONG_MATCH + 4]
+    short = [*passage, 99, 14, 15, 77, 13, 14, 15]
+    assert lookup.propose(short, limit=9) == [16, 17]
 
 
 def test_lookup_never_matches_the_suffix_itself() -> None:
@@ -78,8 +103,26 @@ def test_low_acceptance_pauses_proposals_then_retries() -> None:
     assert lookup.propose(ids, limit=2) == [2]
 
 
+def test_a_long_match_drafts_while_low_acceptance_holds_short_ones_off() -> None:
+    """The acceptance off-switch stops guesses from short matches; a copy in progress (a long
+    match) still drafts, and counts the cooldown down."""
+    passage = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    lookup = PromptLookup(max_ngram=2, num_tokens=4, min_acceptance=0.5, min_ngram=2)
+    short = [*passage, 99, 14, 15, 77, 13, 14, 15]
+    assert lookup.propose(short, limit=9) == [16, 17, 18]
+    lookup.record(proposed=3, accepted=0)  # 1.0 -> 0.7
+    lookup.record(proposed=3, accepted=0)  # 0.7 -> 0.49 < 0.5: off
+    assert lookup.propose(short, limit=9) == []
+    copying = [*passage, 99, 14, 15, 77, *passage[:LONG_MATCH]]
+    assert lookup.propose(copying, limit=9) == passage[LONG_MATCH : LONG_MATCH + 4]
+    for _ in range(COOLDOWN_STEPS - 2):  # the two calls above counted two of its steps
+        assert lookup.propose(short, limit=9) == []
+    assert lookup.propose(short, limit=9) != []
+
+
 def test_draft_length_grows_after_kept_drafts_and_shrinks_after_cut_ones() -> None:
-    lookup = PromptLookup(max_ngram=2, num_tokens=3, min_acceptance=0.0, min_ngram=2)
+    """A short match's draft adapts within 1..k - 1 (k is for long matches: the test above)."""
+    lookup = PromptLookup(max_ngram=2, num_tokens=4, min_acceptance=0.0, min_ngram=2)
     ids = [5, 6, 7, 8, 9, 10, 5, 6]
     assert lookup.propose(ids, limit=9) == [7, 8, 9]
     lookup.record(proposed=3, accepted=1)
@@ -90,6 +133,9 @@ def test_draft_length_grows_after_kept_drafts_and_shrinks_after_cut_ones() -> No
     assert lookup.propose(ids, limit=9) == [7]  # never below one
     lookup.record(proposed=1, accepted=1)
     assert lookup.propose(ids, limit=9) == [7, 8]
+    lookup.record(proposed=2, accepted=2)
+    lookup.record(proposed=3, accepted=3)
+    assert lookup.propose(ids, limit=9) == [7, 8, 9]  # never k on a short match
     fresh = PromptLookup(max_ngram=2, num_tokens=3, min_acceptance=0.0, min_ngram=2)
     assert fresh.propose([6, 7, 9, 6], limit=9) == []  # "6" occurred, but one token is too short
 
@@ -111,6 +157,22 @@ def test_payoff_pauses_drafting_when_it_emits_tokens_slower() -> None:
         payoff.record(batch=2, seconds=0.030, tokens=2, drafted=True)
         assert payoff.allows()
     assert payoff.pauses == 1 and payoff.probes == 0
+
+
+def test_payoff_compares_the_rate_of_tokens_not_the_average_step() -> None:
+    """Verify steps that keep nothing (1 token, 8 ms) and steps that keep four (5 tokens, 10 ms)
+    emit 6 tokens in 18 ms: 3 ms a token, faster than plain steps' 5 ms, though the average of
+    each step's ms per token (5 ms) is not."""
+    payoff = Payoff(min_samples=4, pause=3, weight=0.5)
+    for _ in range(4):
+        payoff.record(batch=1, seconds=0.005, tokens=1, drafted=False)
+    for i in range(16):
+        if i % 2:
+            payoff.record(batch=1, seconds=0.010, tokens=5, drafted=True)
+        else:
+            payoff.record(batch=1, seconds=0.008, tokens=1, drafted=True)
+        assert payoff.allows()
+    assert payoff.pauses == 0
 
 
 def test_payoff_pauses_drafting_to_measure_plain_steps_it_never_saw() -> None:

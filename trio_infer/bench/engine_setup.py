@@ -219,7 +219,8 @@ def run_engine(engine: Any, workload: list[BenchRequest], ignore_eos: bool) -> d
                 done[o.uid] = now
     elapsed = time.perf_counter() - t0
     return make_result(workload, out_tokens, elapsed, [first[i] for i in range(len(workload))],
-                   steps=steps)
+                   steps=steps, request_first_s=[first[i] for i in range(len(workload))],
+                   request_done_s=[done.get(i, elapsed) for i in range(len(workload))])
 
 
 def build_engine(path: Path, args: argparse.Namespace, workload: list[BenchRequest],

@@ -2,15 +2,24 @@
 
 Summaries, rewrites and code edits of a given text are where prompt lookup (speculative
 decoding, engine/speculative.py) guesses right for free, so ``offline --workload grounded``
-measures it there: each request is a chat turn asking to rewrite or summarize one of the
-passages below, or to make a small edit to a real code file (a function of this package's own
-workload module), rendered with the model's chat template. The prompts are fixed text; only
-their order and output lengths are drawn from the seed.
+measures it there: each request is a chat turn about a text given in it, rendered with the
+model's chat template. The prompts are fixed text; only their order and output lengths are
+drawn from the seed.
+
+The prompts come in kinds (:data:`KINDS`), measured one kind or a mix at a time
+(``--grounded-kinds``), because how much an answer copies depends on what was asked:
+``rewrite`` and ``summarize`` a passage (a small model paraphrases as much as it copies),
+``rename`` a variable in a real code file (a function of this package's own workload module);
+and three tasks whose answer a user expects to be the given text with a small change:
+``typo`` (fix a misspelt name in a real function of the same module), ``json`` (return a JSON object with one field
+changed) and ``proofread`` (correct the spelling mistakes of a passage and return it whole).
+The default mix is the first three, the workload of the first measurements (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import random
 from typing import Any
 
@@ -47,25 +56,91 @@ TASKS = (
 CODE_TASK = ("Here is a Python function:\n\n```python\n{code}```\n\nRename the variable `rng` to "
              "`generator` everywhere in it and return the whole function.")
 
+TYPO_TASK = ("This Python function does not run: one name in it is misspelt. Fix the typo and "
+             "return the whole corrected function.\n\n```python\n{code}```")
+
+# (a name as the function spells it, the misspelling put in its place once)
+TYPO = ("output = sum(out_tokens)", "output = sum(out_tokns)")
+
+JSON_TASK = ("Here is an order as JSON:\n\n```json\n{data}\n```\n\nReturn the same JSON with "
+             "\"status\" changed to \"shipped\". Return only the JSON.")
+
+ORDER = {
+    "id": "ord_20261202_0042",
+    "customer": {"name": "Ada Lovelace", "email": "ada@example.com",
+                 "address": {"street": "12 St James's Square", "city": "London",
+                             "postcode": "SW1Y 4JH", "country": "GB"}},
+    "items": [
+        {"sku": "BK-1043", "title": "Sketch of the Analytical Engine", "quantity": 1,
+         "unit_price": 24.5},
+        {"sku": "PN-0007", "title": "Fountain pen, black ink", "quantity": 2, "unit_price": 12.0},
+        {"sku": "NB-0311", "title": "Squared notebook, A5", "quantity": 3, "unit_price": 4.75},
+    ],
+    "currency": "GBP",
+    "total": 62.75,
+    "status": "paid",
+    "notes": "Leave the parcel with the porter if nobody answers.",
+}
+
+PROOFREAD_TASK = ("Correct the spelling mistakes in the following passage and return the whole "
+                  "passage, otherwise unchanged:\n\n{text}")
+
+# (a word of the passage, its misspelling), three per passage
+MISSPELLINGS = (
+    (("bakers", "bakres"), ("narrow", "narow"), ("remember", "remeber")),
+    (("expected", "expectd"), ("describing", "describeing"), ("usually", "usualy")),
+    (("absorbs", "absorbes"), ("electrons", "electorns"), ("molecules", "molecues")),
+)
+
+KINDS = ("rewrite", "summarize", "rename", "typo", "json", "proofread")
+DEFAULT_KINDS = ("rewrite", "summarize", "rename")
+
 
 def code_file() -> str:
     """The code the edit task works on: a real function of this package."""
     return inspect.getsource(_workload_module.make_workload)
 
 
-def grounded_prompts() -> list[str]:
-    """Every prompt of the workload, as the user's message."""
-    prompts = [task.format(text=p) for p in PASSAGES for task in TASKS]
-    prompts.append(CODE_TASK.format(code=code_file()))
-    return prompts
+def _misspelt(text: str, pairs: tuple[tuple[str, str], ...]) -> str:
+    for right, wrong in pairs:
+        assert right in text, right
+        text = text.replace(right, wrong, 1)
+    return text
+
+
+def kind_prompts(kind: str) -> list[str]:
+    """The prompts of one kind, as the user's message."""
+    if kind == "rewrite":
+        return [TASKS[0].format(text=p) for p in PASSAGES]
+    if kind == "summarize":
+        return [TASKS[1].format(text=p) for p in PASSAGES]
+    if kind == "rename":
+        return [CODE_TASK.format(code=code_file())]
+    if kind == "typo":
+        return [TYPO_TASK.format(code=_misspelt(inspect.getsource(_workload_module.make_result), (TYPO,)))]
+    if kind == "json":
+        return [JSON_TASK.format(data=json.dumps(ORDER, indent=2))]
+    if kind == "proofread":
+        return [PROOFREAD_TASK.format(text=_misspelt(p, m)) for p, m in zip(PASSAGES, MISSPELLINGS)]
+    raise ValueError(f"unknown grounded kind {kind!r}: expected one of {', '.join(KINDS)}")
+
+
+def grounded_prompts(kinds: tuple[str, ...] = DEFAULT_KINDS) -> list[str]:
+    """Every prompt of the given kinds, as the user's message (the default kinds in the order
+    of the first measurements, so that a seed draws the same workload as then)."""
+    if tuple(kinds) == DEFAULT_KINDS:  # passage by passage, then the code edit
+        prompts = [task.format(text=p) for p in PASSAGES for task in TASKS]
+        return [*prompts, CODE_TASK.format(code=code_file())]
+    return [text for kind in kinds for text in kind_prompts(kind)]
 
 
 def make_grounded_workload(tokenizer: Any, num_prompts: int, output_len: LengthRange,
-                           seed: int = 0) -> list[BenchRequest]:
-    """``num_prompts`` requests cycling through the prompts in a seeded order, each rendered with
-    the tokenizer's chat template (with the generation prompt)."""
+                           seed: int = 0, kinds: tuple[str, ...] = DEFAULT_KINDS
+                           ) -> list[BenchRequest]:
+    """``num_prompts`` requests cycling through the prompts of ``kinds`` in a seeded order, each
+    rendered with the tokenizer's chat template (with the generation prompt)."""
     rng = random.Random(seed)
-    texts = grounded_prompts()
+    texts = grounded_prompts(kinds)
     rng.shuffle(texts)
     out = []
     for i in range(num_prompts):

@@ -47,7 +47,9 @@ from trio_infer.bench.engine_setup import (
     DTYPES,
     build_engine,
     build_group_engine,
+    engine_config,
     is_gguf,
+    kv_bytes_per_token,
     loadavg,
     model_config,
     resolve_checkpoint,
@@ -58,7 +60,7 @@ from trio_infer.bench.engine_setup import (
     token_range,
     torch_dtype,
 )
-from trio_infer.bench.grounded import make_grounded_workload
+from trio_infer.bench.grounded import DEFAULT_KINDS, KINDS, make_grounded_workload
 from trio_infer.bench.profile import run_profile
 from trio_infer.bench.workload import make_workload, parse_range
 
@@ -148,10 +150,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--workload", choices=("random", "grounded"), default="random",
                       help="grounded: rewrite / summarize a given passage, edit a given code "
                       "file (bench/grounded.py), through the model's chat template")
+    spec.add_argument("--grounded-kinds", default=",".join(DEFAULT_KINDS),
+                      help="--workload grounded: the kinds of prompt, comma-separated, of "
+                      f"{', '.join(KINDS)} (default: %(default)s); measure one kind at a time "
+                      "to see each kind's figure")
     spec.add_argument("--speculative-tokens", type=int, default=None,
                       help="k: tokens guessed per step (default: the server's)")
     spec.add_argument("--speculative-max-batch", type=int, default=None,
                       help="the off-switch's batch size (default: the server's)")
+    spec.add_argument("--no-speculative-payoff", action="store_true",
+                      help="without the measured off-switch (speculative_payoff): drafting is "
+                      "decided by the proposal rules alone")
+    spec.add_argument("--verify-rows", type=int, default=0, metavar="N",
+                      help="instead of a workload: the cost of one forward of 1..N one-token "
+                      "rows of one sequence, as a verify step lays them out (context: "
+                      "--input-len's low end, to a page), interleaved --rounds times, relative "
+                      "to one row")
     spec.add_argument("--rounds", type=int, default=2,
                       help="interleaved rounds (--speculative, --tensor-parallel)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
@@ -179,12 +193,18 @@ def main(args: argparse.Namespace) -> int:
         llamacpp.require()
     if args.profile:
         return run_profile(path, args, threads)
+    if args.verify_rows:
+        return run_verify_rows(path, args)
 
     vocab = model_config(path).vocab_size
     first_id, end_id = token_range(vocab, special_token_ids(path))
     if args.workload == "grounded":
+        kinds = tuple(k for k in args.grounded_kinds.split(",") if k)
+        if not kinds or not set(kinds) <= set(KINDS):
+            raise SystemExit(f"error: --grounded-kinds takes some of {', '.join(KINDS)}")
         workload = make_grounded_workload(_tokenizer(path, args), args.num_prompts,
-                                          args.output_len, seed=args.seed)
+                                          args.output_len, seed=args.seed, kinds=kinds)
+        print(f"grounded kinds: {', '.join(kinds)}", flush=True)
     else:
         workload = make_workload(
             args.num_prompts, args.input_len, args.output_len, end_id,
@@ -393,6 +413,8 @@ def run_speculative(path: Path, args: argparse.Namespace, workload: list, thread
         spec_kw["speculative_tokens"] = args.speculative_tokens
     if args.speculative_max_batch:
         spec_kw["speculative_max_batch"] = args.speculative_max_batch
+    if args.no_speculative_payoff:
+        spec_kw["speculative_payoff"] = False
     spec_config = dataclasses.replace(base.config, **spec_kw)
     model = base.model
     del base
@@ -417,6 +439,8 @@ def run_speculative(path: Path, args: argparse.Namespace, workload: list, thread
                     engine = Engine(model, spec_config if speculating else plain_config,
                                     device="cpu", draft_model=draft if speculating else None)
                     res = run_engine(engine, workload, args.ignore_eos)
+                    if args.max_running == 1:
+                        res["decode_tok_s"] = _decode_tok_s(res, workload)
                     st = engine.statistics()
                     res.update(spec_proposed=st.spec_proposed, spec_accepted=st.spec_accepted,
                                tokens_per_step=st.sampled_tokens / max(1, st.sample_steps))
@@ -428,6 +452,8 @@ def run_speculative(path: Path, args: argparse.Namespace, workload: list, thread
                 if "spec_proposed" in res and res["spec_proposed"]:
                     extra = (f", accepted {res['spec_accepted']}/{res['spec_proposed']} guesses, "
                              f"{res['tokens_per_step']:.2f} tokens/step")
+                if "decode_tok_s" in res:
+                    extra += f", decode {res['decode_tok_s']:.1f} tok/s"
                 print(f"  round {r + 1} {name}: {res['output_tokens']:,} tokens in "
                       f"{res['elapsed_s']:.2f} s = {res['output_tok_s']:.1f} tok/s{extra} (load "
                       f"average {load_before:.2f} -> {res['loadavg_1m'][1]:.2f})", flush=True)
@@ -445,12 +471,20 @@ def run_speculative(path: Path, args: argparse.Namespace, workload: list, thread
         [[n, len(rs), median[n], 1.0 if n == "ours-speculative" else ratios[n]]
          for n, rs in runs.items()],
     )
+    decode = None
+    if "decode_tok_s" in spec[0]:
+        decode = statistics.median(a["decode_tok_s"] / b["decode_tok_s"]
+                                   for a, b in zip(spec, runs["ours-plain"]))
+        print(f"decode only (batch 1: each request's tokens after its first, over the time from "
+              f"its first to its last), speculative / plain, median of rounds: {decode:.2f}x")
     same = [a["output_tokens"] == b["output_tokens"] for a, b in zip(spec, runs["ours-plain"])]
     print(f"output tokens equal with and without speculation (greedy): {all(same)}")
     if args.output_json:
         stats.write_json(args.output_json, {
             "runs": runs, "median_output_tok_s": median, "ratios": ratios,
+            "decode_ratio": decode,
             "config": {"model": str(path), "workload": args.workload, "threads": threads,
+                       "grounded_kinds": args.grounded_kinds if args.workload == "grounded" else "",
                        "num_prompts": args.num_prompts, "input_len": str(args.input_len),
                        "output_len": str(args.output_len), "ignore_eos": args.ignore_eos,
                        "seed": args.seed, "rounds": args.rounds,
@@ -460,6 +494,66 @@ def run_speculative(path: Path, args: argparse.Namespace, workload: list, thread
         })
         print(f"wrote {args.output_json}")
     return 0
+
+
+def run_verify_rows(path: Path, args: argparse.Namespace) -> int:
+    """One forward of 1..N rows of one sequence laid out as a verify step (the last sampled
+    token and N - 1 guesses, ``ModelRunner.prepare`` of a one-item schedule), after a prefill
+    of about ``--input-len``'s low end tokens; the sizes interleaved (the order alternating) for
+    ``--rounds`` rounds; the fastest and the median of each, relative to one row's."""
+    import torch
+
+    from trio_infer.engine.engine import Engine
+    from trio_infer.engine.scheduler import Schedule, ScheduledSeq
+    from trio_infer.models.loader import load_model
+    from trio_infer.wire import SamplingParams
+
+    model = load_model(path, dtype=torch_dtype(args.dtype), device="cpu",
+                       keep_blocks=False if args.no_gguf_blocks else None,
+                       activations=args.activations)
+    n = args.verify_rows
+    engine = Engine(model, engine_config(args, args.input_len.lo + 64, kv_bytes_per_token(model.info),
+                                         False), device="cpu")
+    page = engine.config.page_size
+    if n >= page:
+        raise SystemExit(f"error: --verify-rows must be below the page size ({page})")
+    # One past a page boundary: the prefill's pages then hold the n rows after it too.
+    context = args.input_len.lo // page * page + 1
+    vocab = model.info.vocab_size
+    engine.add_request(0, [(7 * i) % (vocab - 2) + 1 for i in range(context)],
+                       SamplingParams(max_tokens=n + 2, temperature=0.0, ignore_eos=True))
+    engine.step()  # the prefill
+    seq = engine.scheduler.running[0]
+    assert len(seq.pages) * page >= seq.num_computed + n
+    batches = {}
+    for rows in range(1, n + 1):
+        item = ScheduledSeq(seq, seq.num_computed, rows, tuple(seq.pages), True,
+                            draft=tuple(range(1, rows)))
+        batches[rows] = engine.runner.prepare(Schedule([item], rows, []))[0]
+    kv = engine.runner.kv_cache
+    times: dict[int, list[float]] = {rows: [] for rows in batches}
+    with torch.inference_mode():
+        for r in range(args.rounds):
+            for rows in (batches if r % 2 else reversed(batches)):
+                t0 = time.perf_counter()
+                model.forward(batches[rows], kv.k, kv.v)
+                times[rows].append(time.perf_counter() - t0)
+    fast, mid = min(times[1]), statistics.median(times[1])
+    stats.print_table(["rows", "fastest ms", "x one row", "median ms", "x one row (median)"],
+                      [[rows, 1e3 * min(t), min(t) / fast, 1e3 * statistics.median(t),
+                        statistics.median(t) / mid] for rows, t in times.items()])
+    print(f"context {context} tokens, {torch.get_num_threads()} threads, {args.activations} "
+          f"activations, {args.rounds} rounds; load average {loadavg():.2f}")
+    return 0
+
+
+def _decode_tok_s(res: dict[str, Any], workload: list) -> float:
+    """Output tokens after each request's first over the time from its first token to its last,
+    summed over requests: at batch 1 (one request at a time) the decode phase alone, which is
+    what speculation changes (the prompt's prefill is the same work with or without it)."""
+    tokens = res["output_tokens"] - len(workload)
+    seconds = sum(d - f for f, d in zip(res["request_first_s"], res["request_done_s"]))
+    return tokens / seconds if seconds > 0 else float("nan")
 
 
 class _LlamaServerNgram:

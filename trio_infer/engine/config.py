@@ -35,7 +35,7 @@ class EngineConfig:
     # no sequence proposes in a step with more than speculative_max_batch running sequences,
     # and a sequence whose acceptance falls below speculative_min_acceptance pauses.
     speculative: SpeculativeMethod = "off"
-    speculative_tokens: int = 3
+    speculative_tokens: int = 4
     speculative_ngram: int = 3
     speculative_ngram_min: int = 2
     speculative_max_batch: int = 4

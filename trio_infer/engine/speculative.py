@@ -6,7 +6,8 @@ rewrites, code edits and retrieval answers copy spans of their prompt, so the to
 followed the latest earlier occurrence of the sequence's last ``n`` tokens are a good guess for
 the ones that come next (longest match first, from ``speculative_ngram`` down to
 ``speculative_ngram_min`` tokens: a one-token match guesses wrong about half the time on the
-grounded workload, a two-token one about a fifth; docs/benchmarks.md).
+grounded workload, a two-token one about a fifth; and of its occurrences the one that agrees
+with the sequence for longest: docs/benchmarks.md).
 
 What guesses is a sequence's :class:`Proposer`: :class:`PromptLookup` here, or a draft model
 (engine/draft.py: a smaller model with the same vocabulary, in a KV cache of its own, greedy,
@@ -43,9 +44,11 @@ Whether speculation pays depends on the machine and the kernels, so the engine a
 that verified drafts against those that did not, per batch size; when drafting is slower it
 pauses for a while, then measures again.
 Checking a row is not free on a CPU (each row of a step multiplies every weight: measured on
-SmolLM2-135M at one thread, 2 rows cost 1.36x one with int8 activations, 5 rows 2.8x), so a
-sequence's draft length adapts: one token more after a draft it kept whole (up to
-``speculative_tokens``), one less after a draft it cut (down to 1).
+SmolLM2-135M at one thread, 2 rows cost 1.36x one with int8 activations, 5 rows 2.8x; at two
+threads about 1.25x and 2x with exact ones), so a sequence's draft length adapts: one token
+more after a draft it kept whole (up to ``speculative_tokens``), one less after a draft it cut
+(down to 1). With prompt lookup only a long match (a copy in progress) drafts the full
+``speculative_tokens``; short ones adapt below it (:class:`PromptLookup`).
 """
 
 from __future__ import annotations
@@ -66,6 +69,14 @@ if TYPE_CHECKING:
 COOLDOWN_STEPS = 16
 # Weight of the newest verify step in a sequence's running acceptance average.
 _EMA = 0.3
+
+# A prompt-lookup match that agrees with the sequence's suffix for this many tokens at least is
+# a copy in progress: it drafts all k tokens (PromptLookup).
+LONG_MATCH = 6
+# Prompt lookup compares the suffix with at most this many of an n-gram's latest occurrences,
+# each for at most MAX_AGREEMENT tokens back.
+MAX_OCCURRENCES = 16
+MAX_AGREEMENT = 32
 
 
 class Proposer(ABC):
@@ -123,9 +134,18 @@ class PromptLookup(Proposer):
     """One sequence's n-gram index over its own tokens (prompt and output), kept up to date as
     tokens are appended.
 
-    ``_index[m - 1]`` maps each m-gram that has a token after it to the position of that token,
-    for its latest occurrence; the sequence's current last m tokens are indexed only once a token
-    follows them, so a lookup never finds the suffix itself.
+    ``_index[m - 1]`` maps each m-gram that has a token after it to the positions of that token,
+    one per occurrence, oldest first; the sequence's current last m tokens are indexed only once
+    a token follows them, so a lookup never finds the suffix itself.
+
+    Of the occurrences of the longest n-gram that matches, the guess copies after the one whose
+    agreement with the sequence's suffix reaches furthest back (the latest among equals): a
+    rewrite that is copying a sentence agrees with that sentence for many tokens, while a common
+    pair such as ``", the"`` occurs all over the prompt. A match that agrees for at least
+    ``LONG_MATCH`` tokens is a copy in progress and drafts all ``k`` tokens; a shorter one drafts
+    the adapted length, at most ``k - 1`` (on the grounded workload a short match guesses wrong
+    about a third of the time, a long one rarely: docs/benchmarks.md). The acceptance off-switch
+    holds short matches off; a long one drafts through it.
     """
 
     def __init__(self, max_ngram: int, num_tokens: int, min_acceptance: float,
@@ -133,29 +153,59 @@ class PromptLookup(Proposer):
         super().__init__(num_tokens, min_acceptance)
         self.max_ngram = max_ngram
         self.min_ngram = min(min_ngram, max_ngram)
-        self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram)]
+        self._short = max(1, num_tokens - 1)  # what a short match drafts at most
+        self._length = self._short
+        self._index: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_ngram)]
         self._indexed = 0  # positions whose following token is indexed: [0, _indexed)
 
     def propose(self, token_ids: list[int], limit: int) -> list[int]:
         """Up to ``min(k, limit)`` tokens guessed to follow ``token_ids``; [] when no n-gram of
-        the suffix occurred before, or while the off-switch holds this sequence."""
+        the suffix occurred before, or while the off-switch holds this sequence (unless the
+        match is long)."""
         self._extend(token_ids)
-        limit = self._draft_length(limit)
+        cooling = self._cooldown > 0
+        length = self._draft_length(limit)
         if limit <= 0:
             return []
         n = len(token_ids)
         for m in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
-            nxt = self._index[m - 1].get(tuple(token_ids[n - m :]))
-            if nxt is not None:
-                return token_ids[nxt : nxt + limit]
+            found = self._index[m - 1].get(tuple(token_ids[n - m :]))
+            if found is None:
+                continue
+            best, agree = found[-1], -1
+            for nxt in reversed(found[-MAX_OCCURRENCES:]):
+                a = _agreement(token_ids, nxt, m)
+                if a > agree:
+                    best, agree = nxt, a
+            if agree >= LONG_MATCH:
+                length = min(limit, self.num_tokens)
+            elif cooling:
+                return []
+            return token_ids[best : best + length]
         return []
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """As :meth:`Proposer.record`, but the adapted length (the short matches') stays below
+        k, which only a long match drafts."""
+        super().record(proposed, accepted)
+        self._length = min(self._length, self._short)
 
     def _extend(self, token_ids: list[int]) -> None:
         # Index every m-gram ending at position i - 1, followed by token i, for the new i.
         for i in range(max(self._indexed, 1), len(token_ids)):
             for m in range(1, min(self.max_ngram, i) + 1):
-                self._index[m - 1][tuple(token_ids[i - m : i])] = i
+                self._index[m - 1].setdefault(tuple(token_ids[i - m : i]), []).append(i)
         self._indexed = max(self._indexed, len(token_ids))
+
+
+def _agreement(token_ids: list[int], nxt: int, m: int) -> int:
+    """How many tokens before position ``nxt`` agree with the end of ``token_ids`` (at least the
+    ``m`` of the n-gram that matched; counted up to ``MAX_AGREEMENT``)."""
+    n = len(token_ids)
+    a = m
+    while a < MAX_AGREEMENT and a < nxt and token_ids[nxt - 1 - a] == token_ids[n - 1 - a]:
+        a += 1
+    return a
 
 
 class Payoff:
@@ -163,9 +213,13 @@ class Payoff:
 
     The engine reports every decode-only step (no prefill chunk in it): how many sequences, its
     forward-and-sample seconds, the tokens it emitted, and whether it verified drafts. Each kind
-    keeps a running average of seconds per token per batch size; once both have
-    ``min_samples`` steps and drafting is the slower, :meth:`allows` says no for ``pause``
-    steps, and the drafting average starts again (the machine's load may have changed).
+    keeps running averages of its steps' seconds and of their tokens per batch size, and its
+    seconds per token is the one over the other: the rate at which its steps emit tokens. (Not
+    the average of each step's seconds per token: a verify step that keeps nothing, one token
+    for its rows, would weigh as much as one that keeps four, and drafting would look slower
+    than it runs.) Once both have ``min_samples`` steps and drafting is the slower,
+    :meth:`allows` says no for ``pause`` steps, and the drafting averages start again (the
+    machine's load may have changed).
     Drafting that has ``min_samples`` steps while plain decoding at that batch size has fewer
     (a draft model drafts at every step: no plain step would ever be measured) says no for as
     many steps as plain decoding lacks, so that both get measured (``probes`` counts those).
@@ -175,7 +229,9 @@ class Payoff:
         self.min_samples = min_samples
         self.pause = pause
         self.weight = weight
-        self._avg: dict[tuple[bool, int], float] = {}  # (drafted, batch) -> seconds per token
+        # (drafted, batch) -> running averages of a step's seconds and of its tokens
+        self._seconds: dict[tuple[bool, int], float] = {}
+        self._tokens: dict[tuple[bool, int], float] = {}
         self._count: dict[tuple[bool, int], int] = {}
         self._paused = 0
         self.pauses = 0  # times drafting was found slower, since start
@@ -192,10 +248,10 @@ class Payoff:
         if tokens <= 0 or seconds <= 0:
             return
         key = (drafted, batch)
-        per_token = seconds / tokens
         n = self._count.get(key, 0)
-        avg = self._avg.get(key, per_token)
-        self._avg[key] = avg + (self.weight if n else 1.0) * (per_token - avg)
+        w = self.weight if n else 1.0
+        self._seconds[key] = self._seconds.get(key, 0.0) * (1 - w) + w * seconds
+        self._tokens[key] = self._tokens.get(key, 0.0) * (1 - w) + w * tokens
         self._count[key] = n + 1
         plain = (False, batch)
         if not drafted or n + 1 < self.min_samples or self._paused:
@@ -204,7 +260,7 @@ class Payoff:
         if measured < self.min_samples:
             self._paused = self.min_samples - measured
             self.probes += 1
-        elif self._avg[key] > self._avg[plain]:
+        elif self._seconds[key] * self._tokens[plain] > self._seconds[plain] * self._tokens[key]:
             self._paused = self.pause
             self.pauses += 1
             self._count[key] = 0
