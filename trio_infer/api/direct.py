@@ -34,7 +34,6 @@ Errors become :func:`errors.error_of`'s answers before the response starts and e
 from __future__ import annotations
 
 import json
-import logging
 from contextlib import aclosing
 from typing import Any, Awaitable, Callable
 
@@ -53,8 +52,6 @@ from trio_infer.api.protocol import (
 )
 from trio_infer.api.respond import TIMEOUT_HEADER, complete, open_stream, request_timeout
 from trio_infer.api.state import ServerState
-
-log = logging.getLogger(__name__)
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]

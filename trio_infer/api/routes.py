@@ -28,7 +28,6 @@ served without the API key; it calls the API like any client (``/v1/models``, ``
 from __future__ import annotations
 
 import json
-import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -58,8 +57,6 @@ from trio_infer.api.respond import (
     request_timeout,
 )
 from trio_infer.api.state import ServerState, server_state
-
-log = logging.getLogger(__name__)
 
 # The chat page: plain files shipped in the package (package data), read once when the routes are
 # registered. The page asks the browser to run nothing but these files and to talk to nothing but
