@@ -35,7 +35,7 @@ from hypercorn.utils import LifespanFailureError
 from quart_trio import QuartTrio
 
 from trio_infer import server
-from trio_infer.api import health
+from trio_infer.api import direct, health
 from trio_infer.api.errors import register_error_handlers
 from trio_infer.api.plans import ModelLimits
 from trio_infer.api.render import TokenText
@@ -68,11 +68,15 @@ class LoadFailed(LifespanFailureError):
 
 
 class App(QuartTrio):
-    """quart-trio's app with ``/health`` answered before quart's request machinery
-    (``api/health.py`` says why)."""
+    """quart-trio's app with ``/health`` (``api/health.py``) and the hot routes, chat and
+    completions (``api/direct.py``), answered before quart's request machinery; those files
+    say why."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         state: ServerState = self.extensions["trio_infer"]
+        path = direct.route_path(scope)
+        if path is not None:
+            return await direct.serve(path, scope, receive, send, state)
         if health.is_plain_probe(scope, state.settings.max_header_bytes):
             return await health.answer(scope, send, state)
         return await self.asgi_app(scope, receive, send)

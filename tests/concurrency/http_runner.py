@@ -7,7 +7,8 @@ bytes as a worker process, in a task of the app's nursery), serving the fake mod
 sockets), one task each, all under one ``MockClock(autojump_threshold=0)``. The
 :class:`~.runner.SessionTap` wraps the front end's ``generate``, which the routes call (the
 streaming body enters the session itself), so every session is logged as in the engine suite. A client that leaves sends ``http.disconnect``,
-which is how quart-trio learns that a peer went away, and then waits for the server's ASGI call
+which is how the app learns that a peer went away (quart-trio, or api/direct.py for chat and
+completions), and then waits for the server's ASGI call
 to return; only then does it leave the connection block by cancellation (the test connection's
 ``__aexit__`` would otherwise wait forever for a final body the cancelled app never sends; see
 docs/lifecycle.md, trap 10).
@@ -57,6 +58,17 @@ class YieldingConnection(TestHTTPConnection):
     socket is. The stock one hands ``http.response.start`` over without yielding, which leaves
     no moment for a disconnect between the handler's return and the start of the body (where a
     streaming response has checked admission but its body has not entered the session yet)."""
+
+    # The app's whole ASGI call, tracked (:class:`AsgiTracker`): set on a subclass per run. The
+    # stock connection calls the app itself; the tracker must see every request, those the app
+    # answers before quart (chat and completions, api/direct.py) included.
+    tracker: Any = None
+
+    async def __aenter__(self) -> "YieldingConnection":
+        self._nursery_manager = trio.open_nursery()
+        nursery = await self._nursery_manager.__aenter__()
+        nursery.start_soon(self.tracker, self.scope, self._asgi_receive, self._asgi_send)
+        return self
 
     async def _asgi_send(self, message: dict) -> None:
         await trio.lowlevel.checkpoint()
@@ -212,8 +224,7 @@ class _App:
                                      max_waiting=sc.max_waiting, served_model_name=HTTP_MODEL,
                                      max_queue_time_s=sc.max_queue_time_s)
         self.app = create_app(settings, loaded=(self.engine, CharTokenizer()))
-        self.tracker = AsgiTracker(self.app.asgi_app, self.engine)
-        self.app.asgi_app = self.tracker  # type: ignore[method-assign]
+        self.tracker = AsgiTracker(self.app, self.engine)
         self.records = [HttpRecord(req) for req in sc.requests]
         self.drain_started: Event | None = None
         self.idle_error: str | None = None
@@ -227,7 +238,8 @@ class _App:
             self.engine.core = ae.connection.core  # type: ignore[attr-defined]
             self.engine.tap = SessionTap(ae, self.probe)
             client = test_app.test_client()
-            client.http_connection_class = YieldingConnection
+            client.http_connection_class = type(
+                "TrackedConnection", (YieldingConnection,), {"tracker": self.tracker})
             async with trio.open_nursery() as outer:
                 outer.start_soon(watchdog, self.engine, self.waiting_clients)
                 async with trio.open_nursery() as clients:

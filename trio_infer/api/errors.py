@@ -175,6 +175,39 @@ def _close_unless_body_read(headers: dict[str, str]) -> dict[str, str]:
     return headers
 
 
+def http_error(exc: HTTPException) -> APIError:
+    """A werkzeug/quart HTTP exception (404, 405, 408, 413) in our envelope."""
+    status = exc.code or 500
+    kind = INVALID_REQUEST if status < 500 else SERVER_ERROR
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
+    headers = {k: v for k, v in exc.get_headers() if k.lower() == "allow"}
+    return APIError(status, exc.description or exc.name, kind, code=code, headers=headers)
+
+
+def error_of(exc: Exception) -> APIError:
+    """The answer for any exception raised while handling a request: an :class:`APIError` as it
+    is, pydantic's errors as a 400 naming the field, the runtime's as
+    :func:`from_engine_error`, HTTP exceptions as :func:`http_error`, and anything else as a
+    500 that leaks nothing (logged with its traceback)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValidationError):
+        message, param = validation_message(exc)
+        return APIError(400, message, param=param)
+    if isinstance(exc, EngineError):
+        return from_engine_error(exc)
+    if isinstance(exc, HTTPException):
+        return http_error(exc)
+    log.error("unhandled error in a request handler", exc_info=exc)
+    return internal_error()
+
+
+def error_bytes(err: APIError) -> bytes:
+    """An error's body as quart's ``jsonify`` writes it (keys sorted, ASCII, a final newline),
+    for a layer that answers without quart (``direct.py``): the same bytes either way."""
+    return (json.dumps(err.body(), sort_keys=True, separators=(",", ":")) + "\n").encode()
+
+
 def register_error_handlers(app: Quart) -> None:
     @app.errorhandler(APIError)
     async def _api_error(exc: APIError):  # type: ignore[no-untyped-def]
@@ -182,8 +215,8 @@ def register_error_handlers(app: Quart) -> None:
 
     @app.errorhandler(ValidationError)
     async def _validation_error(exc: ValidationError):  # type: ignore[no-untyped-def]
-        message, param = validation_message(exc)
-        return _envelope(400, error_body(message, param=param)), 400, _close_unless_body_read({})
+        err = error_of(exc)
+        return _envelope(400, err.body()), 400, _close_unless_body_read({})
 
     @app.errorhandler(EngineError)
     async def _engine_error(exc: EngineError):  # type: ignore[no-untyped-def]
@@ -192,15 +225,10 @@ def register_error_handlers(app: Quart) -> None:
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException):  # type: ignore[no-untyped-def]
-        status = exc.code or 500
-        kind = INVALID_REQUEST if status < 500 else SERVER_ERROR
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
-        message = exc.description or exc.name
-        headers = {k: v for k, v in exc.get_headers() if k.lower() == "allow"}
-        return _envelope(status, error_body(message, kind, code=code)), status, _close_unless_body_read(headers)
+        err = http_error(exc)
+        return _envelope(err.status, err.body()), err.status, _close_unless_body_read(err.headers)
 
     @app.errorhandler(Exception)
     async def _unhandled(exc: Exception):  # type: ignore[no-untyped-def]
-        log.error("unhandled error in a request handler", exc_info=exc)
-        err = internal_error()
+        err = error_of(exc)
         return _envelope(err.status, err.body()), err.status, _close_unless_body_read({})
