@@ -35,11 +35,6 @@ REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c", "bmi2")
 # instruction per 32 weights instead of two) and AVX512BW's byte masks; without, AVX2's.
 VNNI_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 VNNI_CFLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
-# Where it also has AVX512-BF16 and VBMI, the exact products of K-quant weights split x into
-# three exact bf16 pieces and multiply with vdpbf16ps (docs/kernels.md, "Exact products by bf16
-# pieces"): the same fp32 math in another order, ~2x the fp32 kernel's speed per core.
-BF16_CPU_FLAGS = ("avx512_bf16", "avx512vbmi")
-BF16_CFLAGS = ("-mavx512bf16", "-mavx512vbmi")
 
 # ggml type ids (GGMLQuantizationType values) of the weight formats the kernels read in place.
 # F32 weights are served as torch tensors; Q2_K, Q3_K and the IQ types are dequantized at load.
@@ -89,13 +84,10 @@ def cpu_supported() -> bool:
 
 
 def cflags() -> tuple[str, ...]:
-    """The compiler flags for this CPU: :data:`CFLAGS`, with AVX512-VNNI where it has it, and
-    AVX512-BF16 and VBMI on top where it has those too."""
-    if not all(f in _cpu_flags() for f in VNNI_CPU_FLAGS):
-        return CFLAGS
-    if all(f in _cpu_flags() for f in BF16_CPU_FLAGS):
-        return CFLAGS + VNNI_CFLAGS + BF16_CFLAGS
-    return CFLAGS + VNNI_CFLAGS
+    """The compiler flags for this CPU: :data:`CFLAGS`, with AVX512-VNNI where it has it."""
+    if all(f in _cpu_flags() for f in VNNI_CPU_FLAGS):
+        return CFLAGS + VNNI_CFLAGS
+    return CFLAGS
 
 
 def build(directory: Path | None = None) -> Path:

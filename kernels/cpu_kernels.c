@@ -1500,259 +1500,6 @@ static void gemm_x8(int fmt, const uint8_t *g, int nb, int R, const int8_t *xq, 
  * fused step's results are bitwise those of the op-by-op path). Each ``omp for`` ends with a
  * barrier. */
 
-/* -- exact products by bf16 pieces of x (AVX512-BF16) ---------------------------------------------
- *
- * Where the CPU has AVX512-BF16 (with AVX512BW and VBMI), the K-quants' exact products (one to
- * five rows of x) take this kernel instead of dot_row / dot_rows above. Why: those convert every
- * code to fp32 (vcvtdq2ps) and multiply it in an FMA, two instructions per 8 weights on the two
- * pipes that do both, and were compute-bound at 8 GB/s of Q4_K on one core (6.8 GB/s Q6_K) where
- * the memory gives ~10 per core. Here each fp32 x is split once per row into three bf16 pieces,
- * x = hi + mid + lo, each exact (hi: x's sign, exponent and top 7 mantissa bits; mid: the same of
- * x - hi; lo: the rest, at most 8 significant bits), and a code (0..63, or Q6_K's -32..31) is
- * exact in bf16, so vdpbf16ps multiplies 32 codes with 32 pieces per instruction, each product
- * exact in fp32, and adds them in fp32: the math is still fp32 x times the weight's code, summed
- * in fp32, in another order than the fp32 kernel's (three exact partial products per weight, two
- * products added per lane and step). Codes become bf16 by a table lookup (vpermw: 32 words,
- * vpermt2w: 64), so no conversion remains. Lost: a piece below fp32's normal range (vdpbf16ps
- * treats bf16 denormals as 0), i.e. the lowest bits of an |x| under ~2^-110.
- *
- * x's pieces are laid out per pair of blocks (2p, 2p + 1): 6 vectors of 32 bf16, for the pair's
- * weights 0-15 (h = 0) and 16-31 (h = 1), pieces hi, mid, lo (vector 3h + piece); in each vector
- * words 0-15 are block 2p's weights 16h..16h+15 and words 16-31 block 2p + 1's. That is the order
- * in which the codes of a pair come out of its 32 code bytes (byte j: weight j low, j + 16 high),
- * so lane l < 8 of a product sums block 2p and lane 8 + l block 2p + 1. */
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__BMI2__)
-#define EXACT_BF16 1
-
-/* Bytes of x's pieces per row of K weights (K a multiple of 64). */
-static inline size_t xp_row_bytes(int K) { return (size_t)K * 6; }
-
-/* 16 floats' pieces (hi, mid, lo) as 16 bf16 words each. */
-INLINE void split3(__m512 x, __m256i p[3]) {
-    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
-    const __m512i hi = _mm512_and_si512(_mm512_castps_si512(x), top);
-    const __m512 r1 = _mm512_sub_ps(x, _mm512_castsi512_ps(hi));  /* exact */
-    const __m512i mid = _mm512_and_si512(_mm512_castps_si512(r1), top);
-    const __m512 lo = _mm512_sub_ps(r1, _mm512_castsi512_ps(mid));  /* exact, <= 8 bits */
-    p[0] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(hi, 16));
-    p[1] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(mid, 16));
-    p[2] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16));
-}
-
-/* A row of x (K a multiple of 64) into its pieces, in the pair layout above. */
-static void split_row(const float *x, int K, uint8_t *out) {
-    __m512i *o = (__m512i *)out;
-    for (int p = 0; p < K / 64; p++) {
-        const float *a = x + 64 * (size_t)p, *b = a + 32;
-        for (int h = 0; h < 2; h++) {
-            __m256i pa[3], pb[3];
-            split3(_mm512_loadu_ps(a + 16 * h), pa);
-            split3(_mm512_loadu_ps(b + 16 * h), pb);
-            for (int k = 0; k < 3; k++)
-                _mm512_storeu_si512(o + 6 * (size_t)p + 3 * h + k,
-                                    _mm512_inserti64x4(_mm512_castsi256_si512(pa[k]), pb[k], 1));
-        }
-    }
-}
-
-/* bf16 words of the integers j (j < 32) and j - 32 (j < 64) for the lookups. */
-INLINE __m512i bf16_ints(int from) {
-    uint16_t t[32];
-    for (int j = 0; j < 32; j++) {
-        const float f = (float)(from + j);
-        uint32_t u;
-        memcpy(&u, &f, 4);
-        t[j] = (uint16_t)(u >> 16);
-    }
-    return _mm512_loadu_si512(t);
-}
-
-/* The codes of blocks b, b + 1 (b even) as bf16: c[0] their weights 0-15, c[1] weights 16-31
- * (words 0-15 block b, 16-31 block b + 1). Q6_K's are centred (code - 32). */
-INLINE void pair_codes_bf16(int fmt, const uint8_t *row, int nb, int b, __m512i c[2]) {
-    const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + 16 * (size_t)b)));
-    const __m512i hi4 = _mm512_srli_epi16(raw, 4);
-    if (fmt == FMT_Q4_K) {  /* vpermw reads the index's low 5 bits: the table repeats 0..15 */
-        const __m512i t = bf16_ints(0);
-        const __m512i tab = _mm512_inserti64x4(t, _mm512_castsi512_si256(t), 1);
-        c[0] = _mm512_permutexvar_epi16(raw, tab);
-        c[1] = _mm512_permutexvar_epi16(hi4, tab);
-        return;
-    }
-    const uint8_t *p = row_planes(fmt, row, nb);
-    if (fmt == FMT_Q5_K) {  /* bit 4 of each code from the block's high-bit word, as a mask */
-        uint32_t w0, w1, l0, h0, l1, h1;
-        memcpy(&w0, p + 4 * (size_t)b, 4);
-        memcpy(&w1, p + 4 * (size_t)b + 4, 4);
-        bit4_natural(w0, &l0, &h0);
-        bit4_natural(w1, &l1, &h1);
-        const __m512i tab = bf16_ints(0), sixteen = _mm512_set1_epi16(16);
-        const __m512i lo = _mm512_and_si512(raw, _mm512_set1_epi16(0x0F));
-        c[0] = _mm512_permutexvar_epi16(_mm512_mask_add_epi16(lo, l0 | l1 << 16, lo, sixteen), tab);
-        c[1] = _mm512_permutexvar_epi16(_mm512_mask_add_epi16(hi4, h0 | h1 << 16, hi4, sixteen), tab);
-        return;
-    }
-    /* Q6_K: byte i of a block's 8 plane bytes holds bits 4-5 of weights i + 8j at bits 2j, 2j + 1.
-     * Word w of c[h] is weight 16h + w % 16 of block b + w / 16: its plane byte spread to the
-     * word (shifted up by 4), shifted down by 2j, selected into bits 4-5 of the nibble. */
-    const __m256i spread = _mm256_shuffle_epi8(
-        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + 8 * (size_t)b))),
-        _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7,
-                         8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m512i planes = _mm512_slli_epi16(_mm512_cvtepu8_epi16(spread), 4);
-    const __m512i s0 = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0,
-                                        2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i s1 = _mm512_add_epi16(s0, _mm512_set1_epi16(4));
-    const __m512i sel = _mm512_set1_epi16(0x30);
-    /* (a & sel) | (b & ~sel): ternary-logic table 0xE4 with sel as the third operand */
-    const __m512i i0 = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(planes, s0), raw, sel, 0xE4);
-    const __m512i i1 = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(planes, s1), hi4, sel, 0xE4);
-    const __m512i t0 = bf16_ints(-32), t1 = bf16_ints(0);
-    c[0] = _mm512_permutex2var_epi16(t0, i0, t1);
-    c[1] = _mm512_permutex2var_epi16(t0, i1, t1);
-}
-
-/* A pair's codes times its x pieces (xp: the pair's 6 vectors): per lane, the sums of its
- * weights 0-15 (*s0) and 16-31 (*s1), lanes 0-7 block b, 8-15 block b + 1. Smallest pieces
- * first. */
-INLINE void pair_dot_bf16(const __m512i c[2], const __m512i *xp, __m512 *s0, __m512 *s1) {
-    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)c[0], (__m512bh)xp[2]);
-    __m512 b = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)c[1], (__m512bh)xp[5]);
-    a = _mm512_dpbf16_ps(a, (__m512bh)c[0], (__m512bh)xp[1]);
-    b = _mm512_dpbf16_ps(b, (__m512bh)c[1], (__m512bh)xp[4]);
-    *s0 = _mm512_dpbf16_ps(a, (__m512bh)c[0], (__m512bh)xp[0]);
-    *s1 = _mm512_dpbf16_ps(b, (__m512bh)c[1], (__m512bh)xp[3]);
-}
-
-/* 4 pairs' per-lane sums (zmm, two blocks each) -> one vector of the 8 blocks' sums. */
-INLINE __m256 reduce_pairs(const __m512 s[4]) {
-    __m256 v[8];
-    for (int q = 0; q < 4; q++) {
-        v[2 * q] = _mm512_castps512_ps256(s[q]);
-        v[2 * q + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s[q]), 1));
-    }
-    return reduce8_ps(v);
-}
-
-/* out[r] = dot(w_row, x row r) for R rows of x (pieces ``ldxp`` bytes apart, block sums ``ldxs``
- * floats apart), a K-quant row. Each row's sums are the same instructions in the same order
- * whatever R is, so a row's result is bitwise its result alone (as dot_rows'). Per group of 8
- * blocks: their sums scaled as group_f32 does (Q4_K, Q5_K: sum * d sc + (-dmin mn) * sum(x);
- * Q6_K: each half's sum times its scale, the -32 being in the codes). */
-INLINE void dot_rows_bf16_fmt(int fmt, const uint8_t *row, size_t rb, const uint8_t *xp,
-                              size_t ldxp, const float *xsum, size_t ldxs, int nb, int R,
-                              float *out) {
-    const uint8_t *meta = row_meta(fmt, row, nb);
-    __m256 acc[ROWS_MAX];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b += 8) {
-        prefetch_group(row, rb, b, nb);
-        __m512 lo[ROWS_MAX][4], hi[ROWS_MAX][4];
-        for (int q = 0; q < 4; q++) {
-            __m512i c[2];
-            pair_codes_bf16(fmt, row, nb, b + 2 * q, c);
-            for (int r = 0; r < R; r++) {
-                const __m512i *xv = (const __m512i *)(xp + r * ldxp) + 3 * (size_t)(b + 2 * q);
-                pair_dot_bf16(c, xv, &lo[r][q], &hi[r][q]);
-            }
-        }
-        if (fmt == FMT_Q6_K) {
-            __m256 slo, shi;
-            float l8[8], h8[8];
-            q6k_group_scales(meta, b, &slo, &shi, l8, h8);
-            for (int r = 0; r < R; r++)
-                acc[r] = _mm256_add_ps(acc[r], _mm256_fmadd_ps(reduce_pairs(hi[r]), shi,
-                                                               _mm256_mul_ps(reduce_pairs(lo[r]), slo)));
-            continue;
-        }
-        __m256 scale, off;
-        group_affine(fmt, meta, nb, b, &scale, &off);
-        for (int r = 0; r < R; r++) {
-            __m512 s[4];
-            for (int q = 0; q < 4; q++) s[q] = _mm512_add_ps(lo[r][q], hi[r][q]);
-            acc[r] = _mm256_fmadd_ps(reduce_pairs(s), scale, acc[r]);
-            acc[r] = _mm256_fmadd_ps(off, _mm256_loadu_ps(xsum + r * ldxs + b), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
-}
-
-/* Two weight rows (same format, ``rb`` apart or not) against one row of x: each row's sums are
- * dot_rows_bf16_fmt's at R = 1, instruction for instruction (so bitwise the same), and x's
- * pieces are loaded once for both rows. Why: at one row of x each block reads 3 vectors of x's
- * pieces for one vector of codes; sharing them between two weight rows measured 1.1-1.25x per
- * kernel (docs/benchmarks.md, issue 19 "Afterwards (3)"). */
-INLINE void dot_w2_bf16_fmt(int fmt, const uint8_t *r0, const uint8_t *r1, size_t rb,
-                            const uint8_t *xp, const float *xsum, int nb, float out[2]) {
-    const uint8_t *row[2] = {r0, r1};
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int b = 0; b < nb; b += 8) {
-        prefetch_group(r0, rb, b, nb);
-        prefetch_group(r1, rb, b, nb);
-        __m512 lo[2][4], hi[2][4];
-        for (int q = 0; q < 4; q++) {
-            const __m512i *xv = (const __m512i *)xp + 3 * (size_t)(b + 2 * q);
-            for (int t = 0; t < 2; t++) {
-                __m512i c[2];
-                pair_codes_bf16(fmt, row[t], nb, b + 2 * q, c);
-                pair_dot_bf16(c, xv, &lo[t][q], &hi[t][q]);
-            }
-        }
-        for (int t = 0; t < 2; t++) {
-            const uint8_t *meta = row_meta(fmt, row[t], nb);
-            if (fmt == FMT_Q6_K) {
-                __m256 slo, shi;
-                float l8[8], h8[8];
-                q6k_group_scales(meta, b, &slo, &shi, l8, h8);
-                acc[t] = _mm256_add_ps(acc[t], _mm256_fmadd_ps(reduce_pairs(hi[t]), shi,
-                                                               _mm256_mul_ps(reduce_pairs(lo[t]), slo)));
-                continue;
-            }
-            __m256 scale, off;
-            group_affine(fmt, meta, nb, b, &scale, &off);
-            __m512 s[4];
-            for (int q = 0; q < 4; q++) s[q] = _mm512_add_ps(lo[t][q], hi[t][q]);
-            acc[t] = _mm256_fmadd_ps(reduce_pairs(s), scale, acc[t]);
-            acc[t] = _mm256_fmadd_ps(off, _mm256_loadu_ps(xsum + b), acc[t]);
-        }
-    }
-    out[0] = hsum(acc[0]);
-    out[1] = hsum(acc[1]);
-}
-
-static void dot_w2_bf16(int fmt, const uint8_t *r0, const uint8_t *r1, size_t rb, const uint8_t *xp,
-                        const float *xsum, int nb, float out[2]) {
-    switch (fmt) {
-    case FMT_Q4_K: dot_w2_bf16_fmt(FMT_Q4_K, r0, r1, rb, xp, xsum, nb, out); break;
-    case FMT_Q5_K: dot_w2_bf16_fmt(FMT_Q5_K, r0, r1, rb, xp, xsum, nb, out); break;
-    default: dot_w2_bf16_fmt(FMT_Q6_K, r0, r1, rb, xp, xsum, nb, out);
-    }
-}
-
-#define DOT_BF16_R(F, R) case R: dot_rows_bf16_fmt(F, row, rb, xp, ldxp, xsum, ldxs, nb, R, out); break;
-#define DOT_BF16_FMT(F) \
-    switch (R) { \
-    DOT_BF16_R(F, 1) DOT_BF16_R(F, 2) DOT_BF16_R(F, 3) DOT_BF16_R(F, 4) \
-    DOT_BF16_R(F, 5) DOT_BF16_R(F, 6) DOT_BF16_R(F, 7) default: DOT_BF16_R(F, 8) \
-    } \
-    break;
-
-/* dot_rows_bf16_fmt for a K-quant at run time, R at compile time. */
-static void dot_rows_bf16(int fmt, const uint8_t *row, size_t rb, const uint8_t *xp, size_t ldxp,
-                          const float *xsum, size_t ldxs, int nb, int R, float *out) {
-    switch (fmt) {
-    case FMT_Q4_K: DOT_BF16_FMT(FMT_Q4_K)
-    case FMT_Q5_K: DOT_BF16_FMT(FMT_Q5_K)
-    default: DOT_BF16_FMT(FMT_Q6_K)
-    }
-}
-#undef DOT_BF16_FMT
-#undef DOT_BF16_R
-#else
-#define EXACT_BF16 0
-static inline size_t xp_row_bytes(int K) { (void)K; return 0; }
-#endif
-
 /* Whether M rows of x take the few-rows kernels (weights unpacked in registers: once per row of
  * x for int16, once per ROWS_MAX rows for exact) or the tiles (each weight dequantized once into
  * L1, used by MT rows at a time). Exact: up to 5 rows, where dot_rows costs about what the tiles
@@ -1868,32 +1615,18 @@ static void lin_rows_of_thread(const tri_lin *L, int *n0, int *n1) {
 
 /* What a few-rows product needs of x before the threads start: the float sums of x's blocks,
  * and with int16 activations x rounded to int16 (qx) with a scale per block (dx). */
-static void linear_prep(int fmt, const float *x, int M, int K, float *xsum, uint8_t *qx, float *dx,
-                        uint8_t *xp) {
+static void linear_prep(int fmt, const float *x, int M, int K, float *xsum, uint8_t *qx, float *dx) {
     const int nb = K / 32;
     for (int m = 0; m < M; m++) {
         block_sums(x + (size_t)m * K, K, xsum + (size_t)m * nb * XSUM_PER_BLOCK);
         if (qx) quantize_row_q16(fmt, x + (size_t)m * K, K, qx + m * qx_row_bytes(K), dx + (size_t)m * nb);
-#if EXACT_BF16
-        if (xp) split_row(x + (size_t)m * K, K, xp + m * xp_row_bytes(K));
-#else
-        (void)xp;
-#endif
     }
-}
-
-/* 1 if some part of L is a K-quant, whose exact products take x's bf16 pieces (EXACT_BF16). */
-static int lin_has_kquant(const tri_lin *L) {
-    for (int p = 0; p < L->nparts; p++)
-        if (is_kquant(L->fmt[p] & 0xFF)) return 1;
-    return 0;
 }
 
 /* few_rows(M), after linear_prep: exact (dot_row for one row of x, dot_rows for more: each
  * row's result bitwise dot_row's), or with x rounded to int16 (dot_row_q16) when qx is given. */
 static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *y,
-                                const float *xsum, const uint8_t *qx, const float *dx,
-                                const uint8_t *xp) {
+                                const float *xsum, const uint8_t *qx, const float *dx) {
     const int K = L->K, N = L->N, nb = K / 32;
     int n0, n1;
     lin_rows_of_thread(L, &n0, &n1);
@@ -1901,35 +1634,6 @@ static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *
         int fmt;
         size_t rb;
         const uint8_t *row = lin_row(L, n, &fmt, &rb);
-#if EXACT_BF16
-        if (xp && is_kquant(fmt) && M == 1 && n + 1 < n1) {  /* two weight rows of one part */
-            int fmt1;
-            size_t rb1;
-            const uint8_t *row1 = lin_row(L, n + 1, &fmt1, &rb1);
-            if (fmt1 == fmt) {
-                float out[2];
-                dot_w2_bf16(fmt, row, row1, rb, xp, xsum, nb, out);
-                y[n] = out[0] + (L->bias ? L->bias[n] : 0.0f);
-                y[n + 1] = out[1] + (L->bias ? L->bias[n + 1] : 0.0f);
-                n++;
-                continue;
-            }
-        }
-        if (xp && is_kquant(fmt)) {  /* x's bf16 pieces, up to ROWS_MAX rows per pass */
-            for (int m0 = 0; m0 < M; m0 += ROWS_MAX) {
-                const int R = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
-                float out[ROWS_MAX];
-                dot_rows_bf16(fmt, row, rb, xp + m0 * xp_row_bytes(K), xp_row_bytes(K),
-                              xsum + (size_t)m0 * nb * XSUM_PER_BLOCK, (size_t)nb * XSUM_PER_BLOCK,
-                              nb, R, out);
-                for (int r = 0; r < R; r++)
-                    y[(size_t)(m0 + r) * N + n] = out[r] + (L->bias ? L->bias[n] : 0.0f);
-            }
-            continue;
-        }
-#else
-        (void)xp;
-#endif
         if (!qx && M > 1) {  /* up to ROWS_MAX rows of x per unpacking of the row */
             for (int m0 = 0; m0 < M; m0 += ROWS_MAX) {
                 const int R = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
@@ -1978,7 +1682,6 @@ static void linear_tiles_omp(const tri_lin *L, const float *x, int M, float *y, 
 typedef struct {
     float *xsum, *dx, *tiles;
     uint8_t *qx;
-    uint8_t *xp;  /* x's bf16 pieces (EXACT_BF16; else unused) */
     int32_t *xi;  /* int8 x's integer half-block sums (the x8 Q6_K kernel's -32) */
 } lin_scratch;
 
@@ -1988,14 +1691,11 @@ static int scratch_alloc(lin_scratch *s, int M, int K, int threads) {
     s->dx = malloc((size_t)M * (K / 32) * sizeof(float));
     s->qx = aligned_alloc(64, (size_t)M * qx_row_bytes(K));
     s->tiles = aligned_alloc(64, (size_t)threads * NT * K * sizeof(float));
-    /* few_rows' rows only: the tiles take more */
-    const int xp_rows = M < FEW_ROWS_EXACT ? M : FEW_ROWS_EXACT;
-    s->xp = EXACT_BF16 ? aligned_alloc(64, (size_t)xp_rows * xp_row_bytes(K) + 64) : NULL;
-    return s->xi && s->xsum && s->dx && s->qx && s->tiles && (s->xp || !EXACT_BF16);
+    return s->xi && s->xsum && s->dx && s->qx && s->tiles;
 }
 
 static void scratch_free(lin_scratch *s) {
-    free(s->xi); free(s->xsum); free(s->dx); free(s->qx); free(s->tiles); free(s->xp);
+    free(s->xi); free(s->xsum); free(s->dx); free(s->qx); free(s->tiles);
 }
 
 /* The integer half-block sums of a prepared int8 row (pair layout), for the x8 Q6_K kernel. */
@@ -2087,11 +1787,9 @@ static void linear_omp(const tri_lin *L, const float *x, int M, float *y, const 
         linear_tiles_omp(L, x, M, y, s->tiles);
         return;
     }
-    /* x's bf16 pieces where a part is a K-quant (its whole blocks: K a multiple of 256) */
-    uint8_t *xp = EXACT_BF16 && !q16 && lin_has_kquant(L) ? s->xp : NULL;
     #pragma omp single
-    linear_prep(L->fmt[0], x, M, L->K, s->xsum, q16 ? s->qx : NULL, s->dx, xp);
-    linear_few_rows_omp(L, x, M, y, s->xsum, q16 ? s->qx : NULL, s->dx, xp);
+    linear_prep(L->fmt[0], x, M, L->K, s->xsum, q16 ? s->qx : NULL, s->dx);
+    linear_few_rows_omp(L, x, M, y, s->xsum, q16 ? s->qx : NULL, s->dx);
 }
 
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the layer L describes. With int16 activations, up
