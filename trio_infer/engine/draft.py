@@ -43,6 +43,7 @@ import torch
 
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.kv_cache import KVCache, OutOfPages, PagePool, resolve_kv_dtype
+from trio_infer.engine.sampler import argmax_ids
 from trio_infer.engine.sequence import Sequence
 from trio_infer.engine.speculative import Drafts, Proposer
 from trio_infer.models.base import CausalLM
@@ -150,7 +151,7 @@ class DraftModel:
             max_seq_len=max(seq_lens),
         )
         logits = self.model.forward(batch, self.kv_cache.k, self.kv_cache.v)
-        best = logits.argmax(dim=-1).tolist()
+        best = argmax_ids(logits)
         tokens = [0] * len(rows)
         for row, i in enumerate(order):
             tokens[i] = best[row]

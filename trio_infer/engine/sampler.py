@@ -70,15 +70,13 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], top_k: list[int]) 
 
 
 def argmax_ids(logits: torch.Tensor) -> list[int]:
-    """The index of each row's largest logit (the first on a tie), as a list: through numpy for
-    CPU fp32 logits (vectorised, ~20x torch's CPU argmax), through torch elsewhere."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return np.argmax(logits.numpy(), axis=-1).tolist()
-    return logits.argmax(dim=-1).tolist()
+    """The index of each row's largest logit (the first on a tie), as a list."""
+    return _argmax_rows(logits).tolist()
 
 
 def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=-1)`` for a [N, V] tensor, by numpy where it can (CPU, fp32)."""
+    """``x.argmax(dim=-1)`` for a [N, V] tensor: through numpy for CPU fp32 (vectorised, ~20x
+    torch's CPU argmax), through torch elsewhere."""
     if x.device.type == "cpu" and x.dtype == torch.float32:
         return torch.from_numpy(np.argmax(x.numpy(), axis=-1))
     return x.argmax(dim=-1)

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trio_infer.engine.sampler import probabilities
+from trio_infer.engine.sampler import argmax_ids, probabilities
 
 if TYPE_CHECKING:
     from trio_infer.engine.sequence import Sequence
@@ -289,7 +289,7 @@ def verify(logits: torch.Tensor, drafts: Drafts) -> list[list[int]]:
     best: dict[int, list[int]] = {}
     if greedy:
         idx = [r for i in greedy for r in range(drafts.rows[i], drafts.rows[i] + len(drafts.tokens[i]) + 1)]
-        flat = logits[torch.tensor(idx, dtype=torch.int64, device=logits.device)].argmax(dim=-1).tolist()
+        flat = argmax_ids(logits[torch.tensor(idx, dtype=torch.int64, device=logits.device)])
         at = 0
         for i in greedy:
             n = len(drafts.tokens[i]) + 1
