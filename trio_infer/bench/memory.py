@@ -219,6 +219,9 @@ def main_servers(path: str, args: argparse.Namespace) -> int:
             print(f"round {r + 1}: our worker peak {ours_mb[-1]:.0f} MiB (front end "
                   f"{front['VmHWM'] / 1024:.0f} MiB), llama-server peak {theirs_mb[-1]:.0f} MiB: "
                   f"{ratios[-1]:.2f}x (load average {_loadavg():.2f})", flush=True)
+            for name, kib in (("our worker", worker), ("llama-server", got["llama-server"]["server"])):
+                print(f"  {name} at the end: anonymous {kib['RssAnon'] / 1024:.0f} MiB, "
+                      f"mapped files {kib['RssFile'] / 1024:.0f} MiB", flush=True)
     print(f"peak RSS, {Path(path).name}, context {args.context}: our worker "
           f"{statistics.median(ours_mb):.0f} MiB, llama-server {statistics.median(theirs_mb):.0f} "
           f"MiB, ours / llama-server {statistics.median(ratios):.2f}x")
