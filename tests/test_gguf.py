@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -261,8 +263,9 @@ def test_smollm2_fp16_kv_cache_within_tolerance(smollm2: tuple[Any, Any]) -> Non
 @pytest.mark.parametrize("file_type", ["Q4_K_M", "Q5_K_M", "Q6_K"])
 def test_smollm2_k_quant_files_match_transformers_gguf_load(file_type: str, tmp_path: Path) -> None:
     """The default model requantized by llama.cpp's own quantizer (where llama-cpp-python, the
-    bench extra, is installed): its K-quant and Q5/Q8 blocks read in place give transformers'
-    greedy ids on the same file."""
+    bench extra, is installed): its K-quant and Q5/Q8 blocks, every one read in place (no
+    weight is dequantized: the only parameters left are the norms' vectors), give
+    transformers' greedy ids on the same file."""
     from trio_infer.bench import quantized
 
     if not quantized.available() or cpu.load() is None:
@@ -271,11 +274,47 @@ def test_smollm2_k_quant_files_match_transformers_gguf_load(file_type: str, tmp_
     model, tokenizer = load_model(path), load_tokenizer(path)
     formats = {p.fmt for m in model.modules() if (p := getattr(m, "packed", None)) is not None}
     assert formats & {"Q4_K", "Q5_K", "Q6_K"}, formats  # 1536-wide ffn_down takes a K-quant
+    dense = [name for name, p in model.named_parameters() if p.dim() > 1]
+    assert not dense, dense
     prompts = [tokenizer.encode(RAW_PROMPTS[0]), chat_ids(tokenizer, CHAT_PROMPTS[0])]
     ours = run_greedy(model, prompts, NEW_TOKENS)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                               dtype=torch.float32).eval()
     assert ours == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+# A fresh process: the default model's resident memory before and after load_model, and the
+# bytes of what the model holds (packed blocks, each table once; other tensors).
+_LOAD_RSS_SCRIPT = """
+import gc, json, sys
+import torch
+from kernels import cpu
+from trio_infer.bench.memory import model_bytes, peak_kib
+from trio_infer.models.loader import load_model
+cpu.load()
+before = peak_kib()["VmRSS"]
+model = load_model(sys.argv[1])
+gc.collect()
+print(json.dumps({"before_kib": before, "after_kib": peak_kib()["VmRSS"], **model_bytes(model)}))
+"""
+
+
+@needs_smollm2
+def test_default_model_load_holds_each_weight_once() -> None:
+    """Loading the default model adds what the model holds to the process's resident memory and
+    little more (24 MiB: the file's metadata, the modules the load imports, allocator pages;
+    measured 11.6 MiB, 16 before loader.release_freed_memory): no weight table is held twice
+    (a dequantized embedding, a file buffer kept, a packed copy beside its target)."""
+    if cpu.load() is None:
+        pytest.skip("needs the CPU kernels")
+    proc = subprocess.run([sys.executable, "-c", _LOAD_RSS_SCRIPT, str(SMOLLM2)],
+                          capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    added_mib = (got["after_kib"] - got["before_kib"]) / 1024
+    held_mib = (got["packed"] + got["dense"]) / 2**20
+    assert held_mib > 80, got  # the file's 94 MiB of blocks, packed
+    assert added_mib <= held_mib + 24, (added_mib, held_mib)
 
 
 @needs_smollm2

@@ -138,8 +138,10 @@ def _quiet_log() -> Any:
 
 
 def decode_profile(path: Path, threads: int, batch: int, prompts: list[list[int]],
-                   steps: int, warmup: int = 2) -> list[float]:
-    """Seconds per decode step of ``batch`` sequences after their prompts (one per sequence)."""
+                   steps: int, warmup: int = 2) -> tuple[list[float], list[float]]:
+    """Seconds per decode step of ``batch`` sequences after their prompts (one per sequence):
+    wall time, and this process's CPU time (``time.process_time``: all its threads, which
+    time-sharing with other work does not inflate; on one thread, the step's own cost)."""
     context = max(len(p) for p in prompts)
     llm = LlamaCpp(path, threads, batch, context + steps + warmup + 8, max(512, batch, context))
     try:
@@ -148,15 +150,17 @@ def decode_profile(path: Path, threads: int, batch: int, prompts: list[list[int]
             entries = [(t, i, s, i == len(prompt) - 1) for i, t in enumerate(prompt)]
             last += llm.decode(entries)
         pos = [len(p) for p in prompts]
-        times: list[float] = []
+        wall: list[float] = []
+        cpu: list[float] = []
         for step in range(warmup + steps):
             entries = [(last[s], pos[s], s, True) for s in range(batch)]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             last = llm.decode(entries)
             if step >= warmup:
-                times.append(time.perf_counter() - t0)
+                wall.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
             pos = [p + 1 for p in pos]
-        return times
+        return wall, cpu
     finally:
         llm.close()
 

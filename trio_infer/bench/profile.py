@@ -153,7 +153,9 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
     for _ in range(warm_steps):
         engine.step()
     phases: dict[str, list[float]] = {"schedule": [], "execute": [], "commit": [], "step": []}
+    cpu: list[float] = []  # the process's CPU time a step: not inflated by time-sharing
     for _ in range(steps):
+        c0 = time.process_time()
         t0 = time.perf_counter()
         plan = engine.schedule()
         t1 = time.perf_counter()
@@ -161,6 +163,7 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
         t2 = time.perf_counter()
         engine.commit(plan, result)
         t3 = time.perf_counter()
+        cpu.append(time.process_time() - c0)
         assert plan.batch.num_tokens == batch, "not a pure decode step"
         phases["schedule"].append(t1 - t0)
         phases["execute"].append(t2 - t1)
@@ -184,6 +187,7 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
     med = {k: statistics.median(v) for k, v in phases.items()}
     achieved = med["step"]
     best_step = min(phases["step"])
+    cpu_step = statistics.median(cpu)
     bw_bound = foot["weight_bytes"] / bandwidth
     bw_kv_bound = (foot["weight_bytes"] + kv_bytes) / bandwidth
     gemm_bound = flops / gemm
@@ -192,11 +196,12 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
     if "hf-sequential" in args.baseline or "hf-static" in args.baseline:
         print("transformers: timing its decode step ...", flush=True)
         hf_step = baselines.hf_decode_step_s(path, args.dtype, prompts, steps)
-    lc_step = None
+    lc_step = lc_cpu = None
     if "llama.cpp" in args.baseline:
         lc_threads = args.llamacpp_threads or threads
         print(f"llama.cpp: timing its decode step ({lc_threads} threads) ...", flush=True)
-        lc_step = statistics.median(llamacpp.decode_profile(path, lc_threads, batch, prompts, steps))
+        lc_wall, lc_cpus = llamacpp.decode_profile(path, lc_threads, batch, prompts, steps)
+        lc_step, lc_cpu = statistics.median(lc_wall), statistics.median(lc_cpus)
 
     print(
         f"\ndecode at batch {batch}, context {ctx}..{ctx + max(made.values()) + warm_steps + steps}"
@@ -208,6 +213,8 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
     rows = [
         ["ours: achieved step (median)", achieved * 1e3, 1.0, ""],
         ["ours: fastest step", best_step * 1e3, None, ""],
+        ["ours: CPU time a step (median)", cpu_step * 1e3, None,
+         "all threads; spinning waits count"],
         ["  schedule+prepare", med["schedule"] * 1e3, None, ""],
         ["  execute (forward+sample)", med["execute"] * 1e3, None, ""],
         ["  commit", med["commit"] * 1e3, None, ""],
@@ -223,6 +230,8 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
     if lc_step is not None:
         rows.append(["llama.cpp step (its own file)", lc_step * 1e3, lc_step / bw_bound,
                      f"ours/llama.cpp tok/s: {lc_step / achieved:.2f}x"])
+        rows.append(["llama.cpp CPU time a step", lc_cpu * 1e3, None,
+                     f"ours/llama.cpp by CPU time: {lc_cpu / cpu_step:.2f}x"])
     stats.print_table(["", "ms", "achieved/bound", "from"],
                       [[a, b, c if c is not None else "", d] for a, b, c, d in rows])
     if args.output_json:
@@ -230,6 +239,7 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
             "ours": {
                 "step_ms": {k: stats.summarize(v, 1e3) for k, v in phases.items()},
                 "achieved_step_ms": achieved * 1e3,
+                "cpu_step_ms": cpu_step * 1e3,
             },
             "bounds": {
                 "read_bandwidth_gb_s": bandwidth / 1e9,
@@ -243,7 +253,7 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
             },
             "baselines": {
                 **({"transformers": {"step_ms": hf_step * 1e3}} if hf_step else {}),
-                **({"llama.cpp": {"step_ms": lc_step * 1e3,
+                **({"llama.cpp": {"step_ms": lc_step * 1e3, "cpu_step_ms": lc_cpu * 1e3,
                                   "threads": args.llamacpp_threads or threads}}
                    if lc_step else {}),
             },
@@ -251,7 +261,8 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
                 "achieved_over_bandwidth_bound": achieved / bw_bound,
                 "achieved_over_gemm_bound": achieved / gemm_bound,
                 **({"transformers_over_bandwidth_bound": hf_step / bw_bound} if hf_step else {}),
-                **({"ours_over_llamacpp_tok_s": lc_step / achieved} if lc_step else {}),
+                **({"ours_over_llamacpp_tok_s": lc_step / achieved,
+                    "ours_over_llamacpp_by_cpu_time": lc_cpu / cpu_step} if lc_step else {}),
             },
             "config": {"model": str(path), "dtype": args.dtype, "threads": threads,
                        "batch": batch, "context": ctx, "steps": steps},
