@@ -76,8 +76,9 @@ class Settings(BaseSettings):
     )
     speculative_tokens: int = Field(
         _ENGINE.speculative_tokens, description="Speculative decoding: tokens guessed per step "
-        "at most (k); a sequence's draft grows by one after a draft kept whole and shrinks by "
-        "one after a cut one.",
+        "at most (k). With prompt lookup a match that agrees with the sequence for 6 tokens or "
+        "more (a copy in progress) drafts all k; a shorter one's draft grows by one after a draft "
+        "kept whole and shrinks by one after a cut one.",
     )
     speculative_ngram: int = Field(
         _ENGINE.speculative_ngram, description="Prompt lookup: the longest suffix matched (n); "
