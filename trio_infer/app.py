@@ -37,8 +37,6 @@ from quart_trio import QuartTrio
 from trio_infer import server
 from trio_infer.api import direct, health
 from trio_infer.api.errors import register_error_handlers
-from trio_infer.api.plans import ModelLimits
-from trio_infer.api.render import TokenText
 from trio_infer.api.routes import register_routes
 from trio_infer.api.state import ServerState, server_state
 from trio_infer.metrics import Metrics

@@ -78,23 +78,23 @@ def route_path(scope: dict[str, Any]) -> str | None:
     return path if path in PATHS else None
 
 
-def _headers(scope: dict[str, Any]) -> dict[str, str]:
+def _headers(pairs: list[tuple[str, str]]) -> dict[str, str]:
     """The request's headers by lower-case name (the first of repeated ones, as quart's
     ``headers.get`` gives)."""
     out: dict[str, str] = {}
-    for name, value in scope.get("headers", ()):
-        out.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+    for name, value in pairs:
+        out.setdefault(name.lower(), value)
     return out
 
 
-def _quart_head_size(scope: dict[str, Any], path: str, host_default: str) -> int:
+def _quart_head_size(scope: dict[str, Any], path: str, pairs: list[tuple[str, str]]) -> int:
+    """The head's size as quart's ``before_request`` counted it: its request.headers are the
+    scope's ``pairs``, plus Remote-Addr, plus Host when absent."""
     query = scope.get("query_string", b"").decode("utf-8", "replace")
-    pairs = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in scope.get("headers", ())]
-    # quart's request.headers: the scope's, plus Remote-Addr, plus Host when absent.
-    pairs.append(("Remote-Addr", (scope.get("client") or ["<local>"])[0]))
+    extra = [("Remote-Addr", (scope.get("client") or ["<local>"])[0])]
     if not any(n.lower() == "host" for n, _ in pairs):
-        pairs.append(("Host", host_default))
-    return head_size(scope.get("method", ""), f"{path}?{query}", pairs)
+        extra.append(("Host", ""))
+    return head_size(scope.get("method", ""), f"{path}?{query}", pairs + extra)
 
 
 async def _read_body(receive: Receive, declared: str | None, limit: int,
@@ -138,10 +138,11 @@ async def serve(path: str, scope: dict[str, Any], receive: Receive, send: Send,
                 state: ServerState) -> None:
     """Answer one request for the hot route ``path`` (:func:`route_path`)."""
     settings = state.settings
-    headers = _headers(scope)
+    pairs = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in scope.get("headers", ())]
+    headers = _headers(pairs)
     body_read = False
     try:
-        check_head(_quart_head_size(scope, path, ""), settings.max_header_bytes)
+        check_head(_quart_head_size(scope, path, pairs), settings.max_header_bytes)
         raw = await _read_body(receive, headers.get("content-length"), settings.max_body_bytes,
                                settings.body_timeout_s)
         if raw is None:

@@ -29,9 +29,9 @@ its layers. Without ``parallel`` none of this code runs.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-import time
 from typing import Any
 
 import torch
