@@ -55,7 +55,13 @@ int tri_abi_version(void) { return 4; }
 
 /* Weight rows dequantized together; x rows multiplied against them together. */
 #define NT 4
+/* x rows per register block: NT * MT accumulators, NT weight vectors and one x vector must fit
+ * the vector registers (32 with AVX-512VL, 16 without). */
+#ifdef __AVX512VL__
+#define MT 6
+#else
 #define MT 2
+#endif
 /* Rows of x per pass over the weights: a pass's x (MB * K floats) stays in L2. */
 #define MB 64
 
@@ -569,33 +575,58 @@ static void dequant_row(int fmt, const uint8_t *row, int K, float *out) {
     }
 }
 
-/* y[m, n0 + t] for t < NT and m in [m0, m1): x rows times the NT dequantized rows in w. */
+/* R rows of x (R <= MT, a constant where it is inlined) times the NT dequantized rows in w:
+ * y[r, n0 + t]. Each product is 8 lanes of partial sums over k, FMA after FMA, then summed
+ * across the lanes, the same order for any R, so a row's result does not depend on which
+ * rows share its register block. */
+INLINE void tile_block(const float *x, int ldx, int R, int K, const float *w, const float *bias,
+                       float *y, int ldy, int n0) {
+    __m256 a[MT][NT];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        #pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) a[r][t] = _mm256_setzero_ps();
+    }
+    for (int k = 0; k < K; k += 8) {
+        __m256 wv[NT];
+        #pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) wv[t] = _mm256_loadu_ps(w + (size_t)t * K + k);
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m256 v = _mm256_loadu_ps(x + (size_t)r * ldx + k);
+            #pragma GCC unroll 8
+            for (int t = 0; t < NT; t++) a[r][t] = _mm256_fmadd_ps(wv[t], v, a[r][t]);
+        }
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        #pragma GCC unroll 8
+        for (int t = 0; t < NT; t++)
+            y[(size_t)r * ldy + n0 + t] = hsum(a[r][t]) + (bias ? bias[n0 + t] : 0.0f);
+    }
+}
+
+/* y[m, n0 + t] for t < nt and m in [m0, m1): x rows times the nt (<= NT) dequantized rows in w. */
 static void tile(const float *x, int ldx, int m0, int m1, int K, const float *w, int nt,
                  const float *bias, float *y, int ldy, int n0) {
     int m = m0;
     if (nt == NT) {
-        for (; m + MT <= m1; m += MT) {
-            const float *x0 = x + (size_t)m * ldx, *x1 = x0 + ldx;
-            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-            __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-            for (int k = 0; k < K; k += 8) {
-                const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + K + k);
-                const __m256 w2 = _mm256_loadu_ps(w + 2 * K + k), w3 = _mm256_loadu_ps(w + 3 * K + k);
-                const __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k);
-                a00 = _mm256_fmadd_ps(w0, v0, a00); a01 = _mm256_fmadd_ps(w1, v0, a01);
-                a02 = _mm256_fmadd_ps(w2, v0, a02); a03 = _mm256_fmadd_ps(w3, v0, a03);
-                a10 = _mm256_fmadd_ps(w0, v1, a10); a11 = _mm256_fmadd_ps(w1, v1, a11);
-                a12 = _mm256_fmadd_ps(w2, v1, a12); a13 = _mm256_fmadd_ps(w3, v1, a13);
-            }
-            float *y0 = y + (size_t)m * ldy + n0, *y1 = y0 + ldy;
-            y0[0] = hsum(a00); y0[1] = hsum(a01); y0[2] = hsum(a02); y0[3] = hsum(a03);
-            y1[0] = hsum(a10); y1[1] = hsum(a11); y1[2] = hsum(a12); y1[3] = hsum(a13);
-            if (bias) {
-                for (int t = 0; t < NT; t++) { y0[t] += bias[n0 + t]; y1[t] += bias[n0 + t]; }
-            }
+        for (; m + MT <= m1; m += MT)
+            tile_block(x + (size_t)m * ldx, ldx, MT, K, w, bias, y + (size_t)m * ldy, ldy, n0);
+        switch (m1 - m) {  /* the rows left over, in one block of their own */
+#if MT > 5
+        case 5: tile_block(x + (size_t)m * ldx, ldx, 5, K, w, bias, y + (size_t)m * ldy, ldy, n0); return;
+        case 4: tile_block(x + (size_t)m * ldx, ldx, 4, K, w, bias, y + (size_t)m * ldy, ldy, n0); return;
+        case 3: tile_block(x + (size_t)m * ldx, ldx, 3, K, w, bias, y + (size_t)m * ldy, ldy, n0); return;
+#endif
+#if MT > 2
+        case 2: tile_block(x + (size_t)m * ldx, ldx, 2, K, w, bias, y + (size_t)m * ldy, ldy, n0); return;
+#endif
+        case 1: tile_block(x + (size_t)m * ldx, ldx, 1, K, w, bias, y + (size_t)m * ldy, ldy, n0); return;
+        default: return;
         }
     }
-    for (; m < m1; m++) {  /* the last odd row, or every row of a short tile */
+    for (; m < m1; m++) {  /* a short tile (a part's last rows): one product at a time */
         const float *xr = x + (size_t)m * ldx;
         for (int t = 0; t < nt; t++) {
             const float *wr = w + (size_t)t * K;
@@ -606,6 +637,7 @@ static void tile(const float *x, int ldx, int m0, int m1, int K, const float *w,
         }
     }
 }
+
 /* The few-rows kernels take 8 blocks at a time: one 8-lane vector per block (or per pair of
  * blocks) of partial sums, reduced to one vector holding each block's sum, so the scales, the
  * minimums and x's block sums of 8 blocks are applied with a few vector instructions. */

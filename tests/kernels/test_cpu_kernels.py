@@ -434,7 +434,9 @@ def test_exact_rows_of_x_do_not_depend_on_their_batch(fmt: str) -> None:
     """With exact activations, each row of a product of M rows below the few-rows limit (1 to 5
     today) is bitwise the product of that row alone (the one-row kernel): what keeps speculative
     decoding's verify rows and a small batch's sequences on the plain greedy tokens. Past it (6
-    to 9 and 17: the tiles) every row is still close to a float64 product."""
+    to 17: the tiles) every row is still close to a float64 product, and bitwise the same at
+    every M there (a tile's register block of rows, and the rows left over after the last full
+    block, sum each product in the same order)."""
     limit = cpu.require().few_rows_exact()
     assert 2 <= limit <= 9
     g = torch.Generator().manual_seed(300 + FORMATS[fmt])
@@ -446,12 +448,15 @@ def test_exact_rows_of_x_do_not_depend_on_their_batch(fmt: str) -> None:
         want = x.double() @ dense.double().T + b.double()
         tol = {"rtol": 1e-5, "atol": 1e-5 * want.abs().max().item()}
         torch.testing.assert_close(alone.double(), want, **tol)
-        for m in (*range(2, 10), 17):
+        tiles = ops.linear(x, packed, b)
+        for m in range(2, 18):
             got = ops.linear(x[:m], packed, b)
             torch.testing.assert_close(got.double(), want[:m], **tol)
             if m < limit:
                 for i in range(m):
                     assert torch.equal(got[i], alone[i]), (fmt, k, m, i)
+            else:
+                assert torch.equal(got, tiles[:m]), (fmt, k, m)
 
 
 @pytest.mark.parametrize("rows", [2, 3, 5])
