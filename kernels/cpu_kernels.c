@@ -1965,79 +1965,303 @@ void tri_rope_store(float *q, int q_stride, float *k, int k_stride, const float 
  * q: [B, Hq, D] (rows ``q_stride`` floats apart per sequence); cache: [pages, S, Hkv, D], fp32
  * or fp16 (kv_f16; widened to fp32 as it is read); page_table: [B, max_pages]; seq_lens: [B];
  * out: [B, Hq, D]; D a multiple of 8; every seq_len at most max_len.
- * One work item per sequence: its pages are read in address order, every KV head of a token
- * together (they are adjacent), and a head's keys and values stay in L2 for its G = Hq / Hkv
- * query heads; with fewer than two sequences per thread, one per (sequence, query head).
- * Scores are exact (two passes: max, then exp and sums), as torch's SDPA. */
-INLINE void attend_one(const float *qr, const void *k_cache, const void *v_cache,
-                       const int64_t *pages, int L, int kh, int Hkv, int D, int S, float scale,
-                       float *scores, float *o, int kv_f16) {
-    float mx = -INFINITY;
-    for (int p = 0; p < L; p++) {
-        const size_t kr = (((size_t)pages[p / S] * S + p % S) * Hkv + kh) * D;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        int i = 0;
-        for (; i + 16 <= D; i += 16) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), kv_load(k_cache, kr + i, kv_f16), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i + 8), kv_load(k_cache, kr + i + 8, kv_f16), a1);
+ * Scores are exact (two passes: max, then exp and sums), as torch's SDPA.
+ *
+ * The unit of work is a group of up to GROUP_MAX query heads of one KV head (attend_group):
+ * each key and value is widened once for the group. One work item per sequence (all its
+ * groups, so a KV head's keys and values stay in L2 for the next group), or, with fewer than
+ * two sequences per thread, one per (sequence, query head). Whatever the grouping, a head's
+ * every score is the same FMAs over d in the same order and its every output the same FMAs over
+ * the positions in order, so all give the same bits. One KV head's keys are Hkv * D values
+ * apart from one position to the next (4 KB on the 1.7B-class shape: Hkv = 32, D = 64, fp16),
+ * a stride the hardware prefetcher does not follow, so the walk asks for the row PF_ROWS
+ * positions ahead itself. */
+
+/* Query heads of one KV head attended together: GROUP_MAX x 8 output vectors, GROUP_MAX
+ * weights and one value vector must fit the vector registers (32 with AVX-512VL, else 16). */
+#ifdef __AVX512VL__
+#define GROUP_MAX 3
+#else
+#define GROUP_MAX 1
+#endif
+#define PF_ROWS 12
+/* Bytes of a position's row of all KV heads past which one head's walk is a stride the
+ * hardware prefetcher does not follow (see attend_seq). */
+#define ROW_BYTES_GROUPED 1024
+
+/* Where position t of a context's page pg starts (its KV head 0). */
+INLINE size_t kv_row(const int64_t *pages, int pg, int t, int Hkv, int D, int S) {
+    return ((size_t)pages[pg] * S + t) * Hkv * D;
+}
+
+/* Ask for the D values at ``at`` (the row PF_ROWS positions ahead) to be brought into L1. */
+INLINE void kv_prefetch(const void *cache, size_t at, int D, int kv_f16) {
+    const char *p = kv_f16 ? (const char *)((const uint16_t *)cache + at) : (const char *)((const float *)cache + at);
+    const int bytes = D * (kv_f16 ? 2 : 4);
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
+/* The row PF_ROWS positions after position t of page pg (or none past the context). */
+INLINE int ahead(const int64_t *pages, int pg, int t, int n, int p0, int L, int Hkv, int D, int S,
+                 size_t *at) {
+    if (p0 + t + PF_ROWS >= L) return 0;
+    *at = t + PF_ROWS < n ? kv_row(pages, pg, t + PF_ROWS, Hkv, D, S)
+                          : kv_row(pages, pg + 1, t + PF_ROWS - n, Hkv, D, S);
+    return 1;
+}
+
+/* R (<= GROUP_MAX, a constant where inlined) query heads q (rows D apart) of KV head kh over a
+ * context of L positions: out (rows D apart). ``scores``: R * max_len floats. */
+INLINE void attend_group(const float *q, const void *k_cache, const void *v_cache,
+                         const int64_t *pages, int L, int kh, int Hkv, int D, int S, float scale,
+                         int R, int max_len, float *scores, float *out, int kv_f16) {
+    const int far = (size_t)Hkv * D * (kv_f16 ? 2 : 4) > ROW_BYTES_GROUPED;
+    float mx[GROUP_MAX];
+    for (int g = 0; g < R; g++) mx[g] = -INFINITY;
+    size_t next;
+    for (int p0 = 0, pg = 0; p0 < L; p0 += S, pg++) {
+        const int n = L - p0 < S ? L - p0 : S;
+        for (int t = 0; t < n; t++) {
+            if (far && ahead(pages, pg, t, n, p0, L, Hkv, D, S, &next))
+                kv_prefetch(k_cache, next + (size_t)kh * D, D, kv_f16);
+            const size_t kr = kv_row(pages, pg, t, Hkv, D, S) + (size_t)kh * D;
+            __m256 a0[GROUP_MAX], a1[GROUP_MAX];
+            #pragma GCC unroll 4
+            for (int g = 0; g < R; g++) a0[g] = a1[g] = _mm256_setzero_ps();
+            int i = 0;
+            for (; i + 16 <= D; i += 16) {
+                const __m256 k0 = kv_load(k_cache, kr + i, kv_f16), k1 = kv_load(k_cache, kr + i + 8, kv_f16);
+                #pragma GCC unroll 4
+                for (int g = 0; g < R; g++) {
+                    a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (size_t)g * D + i), k0, a0[g]);
+                    a1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (size_t)g * D + i + 8), k1, a1[g]);
+                }
+            }
+            if (i < D) {
+                const __m256 k0 = kv_load(k_cache, kr + i, kv_f16);
+                #pragma GCC unroll 4
+                for (int g = 0; g < R; g++)
+                    a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (size_t)g * D + i), k0, a0[g]);
+            }
+            #pragma GCC unroll 4
+            for (int g = 0; g < R; g++) {
+                const float sc = hsum(_mm256_add_ps(a0[g], a1[g])) * scale;
+                scores[(size_t)g * max_len + p0 + t] = sc;
+                if (sc > mx[g]) mx[g] = sc;
+            }
         }
-        if (i < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), kv_load(k_cache, kr + i, kv_f16), a0);
-        const float s = hsum(_mm256_add_ps(a0, a1)) * scale;
-        scores[p] = s;
-        if (s > mx) mx = s;
     }
-    __m256 sum = _mm256_setzero_ps();
-    int p = 0;
-    for (; p + 8 <= L; p += 8) {
-        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + p), _mm256_set1_ps(mx)));
-        _mm256_storeu_ps(scores + p, e);
-        sum = _mm256_add_ps(sum, e);
+    float inv[GROUP_MAX];
+    for (int g = 0; g < R; g++) {
+        float *sg = scores + (size_t)g * max_len;
+        __m256 sum = _mm256_setzero_ps();
+        int p = 0;
+        for (; p + 8 <= L; p += 8) {
+            const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + p), _mm256_set1_ps(mx[g])));
+            _mm256_storeu_ps(sg + p, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        float total = hsum(sum);
+        for (; p < L; p++) {
+            sg[p] = expf(sg[p] - mx[g]);
+            total += sg[p];
+        }
+        inv[g] = 1.0f / total;
     }
-    float total = hsum(sum);
-    for (; p < L; p++) {
-        scores[p] = expf(scores[p] - mx);
-        total += scores[p];
-    }
-    const float inv = 1.0f / total;
-    for (int i0 = 0; i0 < D; i0 += 64) {  /* up to 8 vectors of the output in registers */
+    for (int i0 = 0; i0 < D; i0 += 64) {  /* up to 8 vectors of each head's output in registers */
         const int nv = (D - i0) / 8 < 8 ? (D - i0) / 8 : 8;
-        __m256 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-        for (int p = 0; p < L; p++) {
-            const size_t vr = (((size_t)pages[p / S] * S + p % S) * Hkv + kh) * D + i0;
-            const __m256 w = _mm256_set1_ps(scores[p]);
-            for (int j = 0; j < nv; j++)
-                acc[j] = _mm256_fmadd_ps(w, kv_load(v_cache, vr + 8 * j, kv_f16), acc[j]);
+        __m256 acc[GROUP_MAX][8];
+        #pragma GCC unroll 4
+        for (int g = 0; g < R; g++) {
+            #pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) acc[g][j] = _mm256_setzero_ps();
         }
-        const __m256 scale_out = _mm256_set1_ps(inv);
-        for (int j = 0; j < nv; j++)
-            _mm256_storeu_ps(o + i0 + 8 * j, _mm256_mul_ps(acc[j], scale_out));
+        for (int p0 = 0, pg = 0; p0 < L; p0 += S, pg++) {
+            const int n = L - p0 < S ? L - p0 : S;
+            for (int t = 0; t < n; t++) {
+                if (far && ahead(pages, pg, t, n, p0, L, Hkv, D, S, &next))
+                    kv_prefetch(v_cache, next + (size_t)kh * D + i0, nv * 8, kv_f16);
+                const size_t vr = kv_row(pages, pg, t, Hkv, D, S) + (size_t)kh * D + i0;
+                __m256 w[GROUP_MAX];
+                #pragma GCC unroll 4
+                for (int g = 0; g < R; g++) w[g] = _mm256_set1_ps(scores[(size_t)g * max_len + p0 + t]);
+                #pragma GCC unroll 8
+                for (int j = 0; j < nv; j++) {
+                    const __m256 v = kv_load(v_cache, vr + 8 * j, kv_f16);
+                    #pragma GCC unroll 4
+                    for (int g = 0; g < R; g++) acc[g][j] = _mm256_fmadd_ps(w[g], v, acc[g][j]);
+                }
+            }
+        }
+        #pragma GCC unroll 4
+        for (int g = 0; g < R; g++) {
+            const __m256 scale_out = _mm256_set1_ps(inv[g]);
+            #pragma GCC unroll 8
+            for (int j = 0; j < nv; j++)
+                _mm256_storeu_ps(out + (size_t)g * D + i0 + 8 * j, _mm256_mul_ps(acc[g][j], scale_out));
+        }
     }
 }
 
-/* ``scores``: room for max_len floats per thread (the caller's, so nothing is allocated here). */
+/* Heads [h0, h0 + R) of one sequence, R <= G and within one KV head. */
+static void attend_heads(const float *q, const void *k_cache, const void *v_cache,
+                         const int64_t *pages, int L, int h0, int R, int G, int Hkv, int D, int S,
+                         float scale, int max_len, float *scores, float *out, int kv_f16) {
+    const float *qh = q + (size_t)h0 * D;
+    float *oh = out + (size_t)h0 * D;
+    const int kh = h0 / G;
+#define ATTEND_GROUP(RR, F16) attend_group(qh, k_cache, v_cache, pages, L, kh, Hkv, D, S, scale, RR, \
+                                           max_len, scores, oh, F16)
+    if (kv_f16) {
+        switch (R) {
+#if GROUP_MAX >= 3
+        case 3: ATTEND_GROUP(3, 1); return;
+        case 2: ATTEND_GROUP(2, 1); return;
+#endif
+        default: ATTEND_GROUP(1, 1); return;
+        }
+    }
+    switch (R) {
+#if GROUP_MAX >= 3
+    case 3: ATTEND_GROUP(3, 0); return;
+    case 2: ATTEND_GROUP(2, 0); return;
+#endif
+    default: ATTEND_GROUP(1, 0); return;
+    }
+#undef ATTEND_GROUP
+}
+
+/* One sequence, every head, walking the context once in address order (``scratch``: Hq *
+ * (max_len + D) floats): at each position the keys of every KV head (adjacent), each dotted with
+ * its query heads (head_score's sums); each head's scores exponentiated; then at each position
+ * the values of every KV head, each widened once and added into its query heads' output sums,
+ * which live in ``scratch`` (each the same FMA chain over the positions, in order, that
+ * attend_group keeps in registers). Taken where a position's row of all KV heads is long
+ * (ROW_BYTES_GROUPED): there one head's walk strides past the prefetcher and waits on memory
+ * at every position (the 1.7B-class shape, a 4 KB row: 19-22 ms against 6-7 ms for this walk,
+ * 32 sequences of 300 positions, one thread). */
+
+INLINE float head_score(const float *qr, const void *k_cache, size_t kr, int D, float scale,
+                        int kv_f16) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= D; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), kv_load(k_cache, kr + i, kv_f16), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i + 8), kv_load(k_cache, kr + i + 8, kv_f16), a1);
+    }
+    if (i < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), kv_load(k_cache, kr + i, kv_f16), a0);
+    return hsum(_mm256_add_ps(a0, a1)) * scale;
+}
+
+static void attend_seq(const float *q, const void *k_cache, const void *v_cache,
+                       const int64_t *pages, int L, int Hq, int Hkv, int D, int S, float scale,
+                       int max_len, float *scratch, float *out, int kv_f16) {
+    const int G = Hq / Hkv;
+    float *scores = scratch, *sums = scratch + (size_t)Hq * max_len;
+    for (int h = 0; h < Hq; h++) scores[(size_t)h * max_len] = -INFINITY;
+    float mx[Hq];
+    for (int h = 0; h < Hq; h++) mx[h] = -INFINITY;
+    for (int p0 = 0, pg = 0; p0 < L; p0 += S, pg++) {
+        const int n = L - p0 < S ? L - p0 : S;
+        for (int t = 0; t < n; t++) {
+            const size_t row = kv_row(pages, pg, t, Hkv, D, S);
+            for (int h = 0; h < Hq; h++) {
+                const float sc = head_score(q + (size_t)h * D, k_cache, row + (size_t)(h / G) * D,
+                                            D, scale, kv_f16);
+                scores[(size_t)h * max_len + p0 + t] = sc;
+                if (sc > mx[h]) mx[h] = sc;
+            }
+        }
+    }
+    float inv[Hq];
+    for (int h = 0; h < Hq; h++) {
+        float *sh = scores + (size_t)h * max_len;
+        __m256 sum = _mm256_setzero_ps();
+        int p = 0;
+        for (; p + 8 <= L; p += 8) {
+            const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sh + p), _mm256_set1_ps(mx[h])));
+            _mm256_storeu_ps(sh + p, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        float total = hsum(sum);
+        for (; p < L; p++) {
+            sh[p] = expf(sh[p] - mx[h]);
+            total += sh[p];
+        }
+        inv[h] = 1.0f / total;
+    }
+    memset(sums, 0, (size_t)Hq * D * sizeof(float));
+    for (int p0 = 0, pg = 0; p0 < L; p0 += S, pg++) {
+        const int n = L - p0 < S ? L - p0 : S;
+        for (int t = 0; t < n; t++) {
+            const size_t row = kv_row(pages, pg, t, Hkv, D, S);
+            for (int kh = 0; kh < Hkv; kh++) {
+                for (int i = 0; i < D; i += 8) {
+                    const __m256 v = kv_load(v_cache, row + (size_t)kh * D + i, kv_f16);
+                    for (int h = kh * G; h < (kh + 1) * G; h++) {
+                        float *acc = sums + (size_t)h * D + i;
+                        const __m256 w = _mm256_set1_ps(scores[(size_t)h * max_len + p0 + t]);
+                        _mm256_storeu_ps(acc, _mm256_fmadd_ps(w, v, _mm256_loadu_ps(acc)));
+                    }
+                }
+            }
+        }
+    }
+    for (int h = 0; h < Hq; h++) {
+        const __m256 scale_out = _mm256_set1_ps(inv[h]);
+        for (int i = 0; i < D; i += 8)
+            _mm256_storeu_ps(out + (size_t)h * D + i,
+                             _mm256_mul_ps(_mm256_loadu_ps(sums + (size_t)h * D + i), scale_out));
+    }
+}
+
+/* Floats of attention scratch per thread: a group's scores, or attend_seq's scores and sums. */
+static size_t attention_scratch(int max_len, int Hq, int D) {
+    const size_t group = (size_t)GROUP_MAX * max_len, seq = (size_t)Hq * ((size_t)max_len + D);
+    return group > seq ? group : seq;
+}
+
+/* ``scratch``: attention_scratch(max_len, Hq, D) floats per thread (the caller's, so nothing is
+ * allocated here). */
 static void decode_attention_omp(const float *q, int q_stride, const void *k_cache,
                                  const void *v_cache, const int64_t *page_table, int max_pages,
                                  const int64_t *seq_lens, int B, int Hq, int Hkv, int D, int S,
-                                 float scale, float *out, int max_len, float *scores_all,
+                                 float scale, float *out, int max_len, float *scratch,
                                  int nthreads, int kv_f16) {
     const int G = Hq / Hkv;
-    /* Enough sequences: one work item each. Fewer than two per thread: one per (sequence, head). */
-    const int per_head = B < 2 * nthreads;
-    const int items = per_head ? B * Hq : B;
-    float *scores = scores_all + (size_t)omp_get_thread_num() * max_len;
-    #pragma omp for schedule(dynamic)
-    for (int i = 0; i < items; i++) {
-        const int b = per_head ? i / Hq : i;
-        const int L = (int)seq_lens[b];
-        const int64_t *pages = page_table + (size_t)b * max_pages;
-        for (int h = per_head ? i % Hq : 0; h < (per_head ? i % Hq + 1 : Hq); h++) {
-            const float *qr = q + (size_t)b * q_stride + (size_t)h * D;
-            float *o = out + ((size_t)b * Hq + h) * D;
+    float *scores = scratch + (size_t)omp_get_thread_num() * attention_scratch(max_len, Hq, D);
+    if (B < 2 * nthreads) {  /* few sequences: one work item per (sequence, query head) */
+        #pragma omp for schedule(dynamic)
+        for (int i = 0; i < B * Hq; i++) {
+            const int b = i / Hq;
+            attend_heads(q + (size_t)b * q_stride, k_cache, v_cache, page_table + (size_t)b * max_pages,
+                         (int)seq_lens[b], i % Hq, 1, G, Hkv, D, S, scale, max_len, scores,
+                         out + (size_t)b * Hq * D, kv_f16);
+        }
+        return;
+    }
+    if ((size_t)Hkv * D * (kv_f16 ? 2 : 4) > ROW_BYTES_GROUPED) {  /* long rows: attend_seq */
+        #pragma omp for schedule(dynamic)
+        for (int b = 0; b < B; b++) {
+            const float *qb = q + (size_t)b * q_stride;
+            const int64_t *pages = page_table + (size_t)b * max_pages;
+            float *ob = out + (size_t)b * Hq * D;
             if (kv_f16)
-                attend_one(qr, k_cache, v_cache, pages, L, h / G, Hkv, D, S, scale, scores, o, 1);
+                attend_seq(qb, k_cache, v_cache, pages, (int)seq_lens[b], Hq, Hkv, D, S, scale, max_len, scores, ob, 1);
             else
-                attend_one(qr, k_cache, v_cache, pages, L, h / G, Hkv, D, S, scale, scores, o, 0);
+                attend_seq(qb, k_cache, v_cache, pages, (int)seq_lens[b], Hq, Hkv, D, S, scale, max_len, scores, ob, 0);
+        }
+        return;
+    }
+    #pragma omp for schedule(dynamic)
+    for (int b = 0; b < B; b++) {
+        for (int h0 = 0; h0 < Hq; ) {
+            const int left = G - h0 % G;  /* heads of this KV head from h0 on */
+            const int R = left < GROUP_MAX ? left : GROUP_MAX;
+            attend_heads(q + (size_t)b * q_stride, k_cache, v_cache, page_table + (size_t)b * max_pages,
+                         (int)seq_lens[b], h0, R, G, Hkv, D, S, scale, max_len, scores,
+                         out + (size_t)b * Hq * D, kv_f16);
+            h0 += R;
         }
     }
 }
@@ -2058,7 +2282,7 @@ int tri_decode_attention(const float *q, int q_stride, const void *k_cache,
                          float scale, float *out, int max_len, int nthreads, int kv_f16) {
     if (!seq_lens_valid(seq_lens, B, max_len, max_pages, S))
         return -1;
-    float *scores = malloc((size_t)nthreads * max_len * sizeof(float));
+    float *scores = malloc((size_t)nthreads * attention_scratch(max_len, Hq, D) * sizeof(float));
     if (!scores)
         return -2;
     #pragma omp parallel num_threads(nthreads)
@@ -2117,7 +2341,7 @@ int tri_decode_step(const tri_model *m, void *const *k_caches, void *const *v_ca
     float *attn = malloc((size_t)B * Hq * D * sizeof(float));
     float *gate_up = malloc((size_t)B * 2 * I * sizeof(float));
     float *act = malloc((size_t)B * I * sizeof(float));
-    float *scores = malloc((size_t)nthreads * max_len * sizeof(float));
+    float *scores = malloc((size_t)nthreads * attention_scratch(max_len, Hq, D) * sizeof(float));
     lin_scratch s;
     int rc = -2;
     const int have = scratch_alloc(&s, B, widest, nthreads);

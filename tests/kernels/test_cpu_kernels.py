@@ -290,6 +290,31 @@ def test_decode_attention(hq: int, hkv: int, d: int, lens: list[int]) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 24), (4, 4, 128), (32, 32, 64)])
+def test_decode_attention_gives_a_sequence_the_same_bits_alone_or_in_a_batch(
+        dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:
+    """Alone (one work item per query head), in a batch (per sequence: query heads grouped by KV
+    head, or, where a position's row of all KV heads is long, the whole context walked once)
+    and on one thread or two, a sequence's attention is the same sums in the same order."""
+    g = torch.Generator().manual_seed(hq * d)
+    page_size, num_pages = 16, 64
+    k_cache, v_cache = (c.to(dtype) for c in _paged(num_pages, page_size, hkv, d, g))
+    lens = [37, 1, 130, 16, 64, 9]
+    table = torch.randperm(num_pages, generator=g)[:6 * 9].view(6, 9).contiguous()
+    seq_lens, q = torch.tensor(lens), torch.randn(6, hq, d, generator=g)
+    kernels = cpu.require()
+    batch = kernels.decode_attention(q, k_cache, v_cache, table, seq_lens, d**-0.5, max(lens), 2)
+    assert torch.equal(batch, kernels.decode_attention(q, k_cache, v_cache, table, seq_lens,
+                                                       d**-0.5, max(lens), 1))
+    for b, n in enumerate(lens):
+        alone = kernels.decode_attention(q[b:b + 1], k_cache, v_cache, table[b:b + 1],
+                                         seq_lens[b:b + 1], d**-0.5, n, 2)
+        assert torch.equal(alone[0], batch[b]), b
+    want = reference.decode_attention(q, k_cache, v_cache, table, seq_lens, d**-0.5)
+    torch.testing.assert_close(batch, want, rtol=1e-5, atol=1e-5)
+
+
 def test_build_is_cached(tmp_path) -> None:
     first = cpu.build(tmp_path)
     mtime = first.stat().st_mtime_ns
