@@ -1319,24 +1319,32 @@ INLINE __m256i group_sums_q8(int fmt, const codes8 *c, const codes8 *signs, cons
 }
 
 /* One block's integer sum with one row of x: the nb % 8 blocks after the groups, which only the
- * 32-block formats have (a K-quant row is whole super-blocks of 8 blocks). */
+ * 32-block formats have (a K-quant row is whole super-blocks of 8 blocks). Vectorized because
+ * SmolLM2's rows of 576 weights end in 2 such blocks: one byte dot product over the block's
+ * codes in natural order (bytes 0-15 weights 0-15, 16-31 weights 16-31) and its x. The same
+ * integer sum as the groups' (exact), so the order of the float sums does not change. */
 static int32_t block_sum_q8(int fmt, const uint8_t *row, int nb, int b, const int8_t *xq) {
-    int8_t q[32];
-    const int8_t *xlo = xq + (size_t)(b / 2) * 64 + (b % 2) * 16, *xhi = xlo + 32;
+    const int8_t *xlo = xq + (size_t)(b / 2) * 64 + (b % 2) * 16;
+    __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)xlo)),
+                                        _mm_loadu_si128((const __m128i *)(xlo + 32)), 1);
+    __m256i u;
     if (fmt == FMT_Q8_0) {
-        memcpy(q, row + 32 * (size_t)b, 32);
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(row + 32 * (size_t)b));
+        u = _mm256_abs_epi8(w);
+        x = _mm256_sign_epi8(x, w);
     } else {
-        float f[32];
-        __m256 v[4];
-        block_codes(fmt, row, nb, b, v);
-        for (int j = 0; j < 4; j++) _mm256_storeu_ps(f + 8 * j, v[j]);
-        /* f[8j + i] is weight i + 8j: the natural order */
-        for (int i = 0; i < 32; i++) q[i] = (int8_t)f[i];
+        const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(row + 16 * (size_t)b)));
+        u = _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
+        if (is_5bit(fmt)) {
+            uint32_t w;
+            memcpy(&w, row_planes(fmt, row, nb) + 4 * (size_t)b, 4);
+            u = or_bit4_bytes(u, w);
+        }
     }
-    int32_t s = 0;
-    for (int i = 0; i < 32; i++)
-        s += (fmt == FMT_Q8_0 ? q[i] : (uint8_t)q[i]) * (i < 16 ? xlo[i] : xhi[i - 16]);
-    return s;
+    const __m256i d = dpbusd(_mm256_setzero_si256(), u, x);
+    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
+    const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xB1)));
 }
 
 /* rows of x m0..m0+R (R <= R8) times weight row ``row``: out[r] = dot. xq: prepared rows
