@@ -28,10 +28,12 @@
  *              blocks' first halves, 8 of their second halves               w = (q - 32) d sc
  *   F16 (1), BF16 (30): K 16-bit floats as they are.
  * In a block's 16 bytes of nibbles, byte j holds the low 4 bits of weight j (low nibble) and of
- * weight j + 16 (high). The high bits are laid out for the 8 lanes a block's codes are widened
- * to, lane i taking weights i, i + 8, i + 16 and i + 24: 5-bit codes keep a uint32 whose bits
- * 4i + j are bit 4 of weight i + 8j; Q6_K keeps 8 bytes, byte i's bits 2j, 2j + 1 being bits 4
- * and 5 of weight i + 8j. Each costs a shift, an and and an or per 8 weights. ggml's own
+ * weight j + 16 (high). 5-bit codes keep a uint32 whose bit k is bit 4 of weight k (ggml's own
+ * qh order: a byte mask for AVX512BW, a lane mask per 8 weights otherwise); Q6_K keeps 8 bytes,
+ * byte i's bits 2j, 2j + 1 being bits 4 and 5 of weight i + 8j (laid out for the 8 int32 lanes
+ * a block's codes are widened to, lane i taking weights i, i + 8, i + 16 and i + 24). With
+ * AVX512-VBMI both are merged into a block's 32 code bytes before widening (block_codes_q6);
+ * without, a shift, an and and an or per 8 weights. ggml's own
  * K-quant layouts interleave the codes by 64 and pack the 6-bit scales; tri_pack undoes both
  * (Q4_K and Q5_K grow by 4 bytes per 256 weights, 3%).
  */
