@@ -29,7 +29,7 @@
  *   F16 (1), BF16 (30): K 16-bit floats as they are.
  * In a block's 16 bytes of nibbles, byte j holds the low 4 bits of weight j (low nibble) and of
  * weight j + 16 (high). 5-bit codes keep a uint32 whose bit k is bit 4 of weight k (ggml's own
- * qh order: a byte mask for AVX512BW, a lane mask per 8 weights otherwise); Q6_K keeps 8 bytes,
+ * qh order; with AVX512BW a byte mask as it is); Q6_K keeps 8 bytes,
  * byte i's bits 2j, 2j + 1 being bits 4 and 5 of weight i + 8j (laid out for the 8 int32 lanes
  * a block's codes are widened to, lane i taking weights i, i + 8, i + 16 and i + 24). With
  * AVX512-VBMI both are merged into a block's 32 code bytes before widening (block_codes_q6);
@@ -158,9 +158,10 @@ static inline const uint8_t *row_meta(int fmt, const uint8_t *row, int nb) {
 
 /* -- packing: ggml's blocks -> the layout above ------------------------------------------------- */
 
-/* Codes q[32] (natural order, values < 64) of one block into its nibbles and high bits. The
- * high bits are laid out for the 8 lanes block_codes widens them to: lane i holds the bits of
- * weights i, i + 8, i + 16 and i + 24 (see the layout comment at the top). */
+/* Codes q[32] (natural order, values < 64) of one block into its nibbles and high bits: bit 4
+ * of 5-bit codes in natural order; Q6_K's bits 4-5 laid out for the 8 lanes block_codes widens
+ * them to, lane i holding those of weights i, i + 8, i + 16 and i + 24 (see the layout comment
+ * at the top). */
 static void put_codes(int fmt, const uint8_t *q, uint8_t *nib, uint8_t *high) {
     for (int j = 0; j < 16; j++)
         nib[j] = (uint8_t)((q[j] & 15) | (q[j + 16] & 15) << 4);
