@@ -28,10 +28,12 @@
  *              blocks' first halves, 8 of their second halves               w = (q - 32) d sc
  *   F16 (1), BF16 (30): K 16-bit floats as they are.
  * In a block's 16 bytes of nibbles, byte j holds the low 4 bits of weight j (low nibble) and of
- * weight j + 16 (high). The high bits are laid out for the 8 lanes a block's codes are widened
- * to, lane i taking weights i, i + 8, i + 16 and i + 24: 5-bit codes keep a uint32 whose bits
- * 4i + j are bit 4 of weight i + 8j; Q6_K keeps 8 bytes, byte i's bits 2j, 2j + 1 being bits 4
- * and 5 of weight i + 8j. Each costs a shift, an and and an or per 8 weights. ggml's own
+ * weight j + 16 (high). 5-bit codes keep a uint32 whose bit k is bit 4 of weight k (ggml's own
+ * qh order; with AVX512BW a byte mask as it is); Q6_K keeps 8 bytes,
+ * byte i's bits 2j, 2j + 1 being bits 4 and 5 of weight i + 8j (laid out for the 8 int32 lanes
+ * a block's codes are widened to, lane i taking weights i, i + 8, i + 16 and i + 24). With
+ * AVX512-VBMI both are merged into a block's 32 code bytes before widening (block_codes_q6);
+ * without, a shift, an and and an or per 8 weights. ggml's own
  * K-quant layouts interleave the codes by 64 and pack the 6-bit scales; tri_pack undoes both
  * (Q4_K and Q5_K grow by 4 bytes per 256 weights, 3%).
  */
@@ -162,16 +164,16 @@ static inline const uint8_t *row_meta(int fmt, const uint8_t *row, int nb) {
 
 /* -- packing: ggml's blocks -> the layout above ------------------------------------------------- */
 
-/* Codes q[32] (natural order, values < 64) of one block into its nibbles and high bits. The
- * high bits are laid out for the 8 lanes block_codes widens them to: lane i holds the bits of
- * weights i, i + 8, i + 16 and i + 24 (see the layout comment at the top). */
+/* Codes q[32] (natural order, values < 64) of one block into its nibbles and high bits: bit 4
+ * of 5-bit codes in natural order; Q6_K's bits 4-5 laid out for the 8 lanes block_codes widens
+ * them to, lane i holding those of weights i, i + 8, i + 16 and i + 24 (see the layout comment
+ * at the top). */
 static void put_codes(int fmt, const uint8_t *q, uint8_t *nib, uint8_t *high) {
     for (int j = 0; j < 16; j++)
         nib[j] = (uint8_t)((q[j] & 15) | (q[j + 16] & 15) << 4);
     if (is_5bit(fmt)) {
         uint32_t w = 0;
-        for (int i = 0; i < 8; i++)
-            for (int j = 0; j < 4; j++) w |= (uint32_t)((q[i + 8 * j] >> 4) & 1) << (4 * i + j);
+        for (int i = 0; i < 32; i++) w |= (uint32_t)((q[i] >> 4) & 1) << i;
         memcpy(high, &w, 4);
     } else if (fmt == FMT_Q6_K) {
         for (int i = 0; i < 8; i++) {
@@ -465,40 +467,98 @@ static const uint8_t *row_in_row_layout(int fmt, const uint8_t *w, size_t rb, in
 
 /* -- reading packed blocks ------------------------------------------------------------------------ */
 
+/* a | (b & m): one vpternlogd with AVX512VL, an and and an or without. */
+INLINE __m256i or_bits(__m256i a, __m256i b, __m256i m) {
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+    return _mm256_ternarylogic_epi32(a, b, m, 0xF8);
+#else
+    return _mm256_or_si256(a, _mm256_and_si256(b, m));
+#endif
+}
+
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_VBMI 1
+#else
+#define HAVE_VBMI 0
+#endif
+
+#if HAVE_VBMI
+/* Block b's 4-bit parts as bytes in natural order (byte k: weight k): its 16 nibble bytes in
+ * both halves of a vector, the second half shifted by 4, then masked. */
+INLINE __m256i nibble_bytes(const uint8_t *row, int b) {
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(row + 16 * (size_t)b)));
+    return _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
+}
+
+/* Bytes 8j..8j+7 of v zero-extended to the 8 int32 lanes (one vpermb, zero-masked). */
+INLINE __m256i widen_bytes(__m256i v, int j) {
+    return _mm256_maskz_permutexvar_epi8(0x11111111u,
+        _mm256_setr_epi32(8 * j, 8 * j + 1, 8 * j + 2, 8 * j + 3, 8 * j + 4, 8 * j + 5, 8 * j + 6, 8 * j + 7), v);
+}
+#endif
+
 /* Block b's 32 codes as floats: f[0] weights 0-7, f[1] 8-15, f[2] 16-23, f[3] 24-31 (Q6_K's
  * less 32 with ``q6_centred``; the few-rows kernel applies its -32 through x's half-block sums
- * instead). Called with constant fmt and flag, so it compiles to one format's code. */
+ * instead). Called with constant fmt and flag, so it compiles to one format's code. Every path
+ * below gives the same integer codes, so the floats, and every sum made of them, do not depend
+ * on the instructions the build has. */
 INLINE void block_codes_q6(int fmt, const uint8_t *row, int nb, int b, __m256 f[4], int q6_centred) {
     if (fmt == FMT_Q8_0) {
         for (int j = 0; j < 4; j++)
             f[j] = i8x8_to_float(_mm_loadl_epi64((const __m128i *)(row + 32 * (size_t)b + 8 * j)));
         return;
     }
+    __m256i c[4];
+    const uint8_t *p = row_planes(fmt, row, nb) + (size_t)plane_bytes(fmt) * b;
+#if HAVE_VBMI
+    if (is_5bit(fmt) || fmt == FMT_Q6_K) {
+        /* the codes built as 32 bytes, then widened: the high bits cost one or two instructions
+         * a block, not a shift, an and and an or per 8 weights */
+        __m256i q = nibble_bytes(row, b);
+        if (is_5bit(fmt)) {  /* bit k of the word: bit 4 of weight k, a byte mask */
+            uint32_t w;
+            memcpy(&w, p, 4);
+            q = _mm256_mask_add_epi8(q, (__mmask32)w, q, _mm256_set1_epi8(0x10));  /* = or */
+        } else {  /* byte i's bits 2j, 2j + 1 (weight 8j + i) to bits 4-5 of byte 8j + i: each
+                   * byte picks its 8 bits at 8i + 2j - 4 of the 8 plane bytes (vpmultishiftqb) */
+            uint64_t h;
+            memcpy(&h, p, 8);
+            const __m256i ctl = _mm256_setr_epi8(
+                60, 4, 12, 20, 28, 36, 44, 52,  62, 6, 14, 22, 30, 38, 46, 54,
+                0, 8, 16, 24, 32, 40, 48, 56,  2, 10, 18, 26, 34, 42, 50, 58);
+            q = or_bits(q, _mm256_multishift_epi64_epi8(ctl, _mm256_set1_epi64x((long long)h)),
+                        _mm256_set1_epi8(0x30));
+        }
+        for (int j = 0; j < 4; j++) c[j] = widen_bytes(q, j);
+        if (fmt == FMT_Q6_K && q6_centred)
+            for (int j = 0; j < 4; j++) c[j] = _mm256_sub_epi32(c[j], _mm256_set1_epi32(32));
+        for (int j = 0; j < 4; j++) f[j] = _mm256_cvtepi32_ps(c[j]);
+        return;
+    }
+#endif
     /* 8 code bytes widened to 8 lanes (the load folds into the widening), then each lane's two
      * nibbles: byte j holds weights j (low) and j + 16 (high). */
     const __m256i low4 = _mm256_set1_epi32(0x0F);
-    __m256i c[4];
     for (int h = 0; h < 2; h++) {
         const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + 16 * (size_t)b + 8 * h)));
         c[h] = _mm256_and_si256(v, low4);
         c[h + 2] = _mm256_srli_epi32(v, 4);
     }
-    const uint8_t *p = row_planes(fmt, row, nb) + (size_t)plane_bytes(fmt) * b;
-    if (is_5bit(fmt)) {  /* lane i's 4 bits (one per vector) to bit 4 of c[0..3] */
+    if (is_5bit(fmt)) {  /* bit 8j + i of the word (weight 8j + i) to bit 4 of lane i of c[j] */
         uint32_t w;
         memcpy(&w, p, 4);
-        const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32((int)w),
-                                            _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
         const __m256i bit4 = _mm256_set1_epi32(16);
-        for (int j = 0; j < 4; j++)
-            c[j] = _mm256_or_si256(c[j], _mm256_and_si256(_mm256_slli_epi32(v, 4 - j), bit4));
+        const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32((int)w),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        c[0] = or_bits(c[0], _mm256_slli_epi32(v, 4), bit4);
+        for (int j = 1; j < 4; j++) c[j] = or_bits(c[j], _mm256_srli_epi32(v, 8 * j - 4), bit4);
     } else if (fmt == FMT_Q6_K) {  /* lane i's byte, two bits per vector, to bits 4-5 */
         const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
         const __m256i bits45 = _mm256_set1_epi32(0x30), off = _mm256_set1_epi32(32);
-        c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi32(v, 4), bits45));
-        c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi32(v, 2), bits45));
-        c[2] = _mm256_or_si256(c[2], _mm256_and_si256(v, bits45));
-        c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_srli_epi32(v, 2), bits45));
+        c[0] = or_bits(c[0], _mm256_slli_epi32(v, 4), bits45);
+        c[1] = or_bits(c[1], _mm256_slli_epi32(v, 2), bits45);
+        c[2] = or_bits(c[2], v, bits45);
+        c[3] = or_bits(c[3], _mm256_srli_epi32(v, 2), bits45);
         if (q6_centred)
             for (int j = 0; j < 4; j++) c[j] = _mm256_sub_epi32(c[j], off);
     }
@@ -1170,24 +1230,20 @@ INLINE __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-/* 0x10 in each byte whose bit of m is set (bit 4 of a 5-bit code). */
-INLINE __m256i bit4_bytes(uint32_t m) {
+/* v with 0x10 set in each byte whose bit of m is set (bit 4 of a 5-bit code, clear in v's
+ * nibbles): one masked byte add with AVX512BW (there is no masked byte or), a byte spread, a
+ * compare, an and and an or without. */
+INLINE __m256i or_bit4_bytes(__m256i v, uint32_t m) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-    return _mm256_maskz_mov_epi8(m, _mm256_set1_epi8(0x10));
+    return _mm256_mask_add_epi8(v, (__mmask32)m, v, _mm256_set1_epi8(0x10));
 #else
-    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m),
+    const __m256i s = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m),
         _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
     const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel), _mm256_set1_epi8(0x10));
+    return _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(s, sel), sel),
+                                                _mm256_set1_epi8(0x10)));
 #endif
-}
-
-/* The lanes' bits of a 5-bit block's high-bit word (bit 4i + j: weight i + 8j) in natural order:
- * *lo bits 0-15 weights 0-15, *hi weights 16-31. */
-INLINE void bit4_natural(uint32_t w, uint32_t *lo, uint32_t *hi) {
-    *lo = _pext_u32(w, 0x11111111u) | _pext_u32(w, 0x22222222u) << 8;
-    *hi = _pext_u32(w, 0x44444444u) | _pext_u32(w, 0x88888888u) << 8;
 }
 
 /* x's row rounded to int8 (``out``, the pair layout), its block scales (dx) and the sums of the
@@ -1248,14 +1304,12 @@ INLINE void unpack_group(int fmt, const uint8_t *row, int nb, int b, codes8 *c, 
         const int bb = b + 2 * j;
         const __m256i q = _mm256_loadu_si256((const __m256i *)(row + 16 * (size_t)bb));
         __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-        if (is_5bit(fmt)) {
-            uint32_t w0, w1, l0, h0, l1, h1;
+        if (is_5bit(fmt)) {  /* weights 0-15 of bb and bb + 1 in lo, 16-31 in hi */
+            uint32_t w0, w1;
             memcpy(&w0, planes + 4 * (size_t)bb, 4);
             memcpy(&w1, planes + 4 * (size_t)bb + 4, 4);
-            bit4_natural(w0, &l0, &h0);
-            bit4_natural(w1, &l1, &h1);
-            lo = _mm256_or_si256(lo, bit4_bytes(l0 | l1 << 16));
-            hi = _mm256_or_si256(hi, bit4_bytes(h0 | h1 << 16));
+            lo = or_bit4_bytes(lo, (w0 & 0xFFFFu) | w1 << 16);
+            hi = or_bit4_bytes(hi, w0 >> 16 | (w1 & 0xFFFF0000u));
         } else if (fmt == FMT_Q6_K) {
             /* 64-bit lanes: block bb's 8 high bytes twice, then bb + 1's twice (as pair_dot_q6);
              * a byte's bits 2j, 2j + 1 go to bits 4-5 by one 64-bit shift (by 4 - 2j left for
@@ -1300,24 +1354,32 @@ INLINE __m256i group_sums_q8(int fmt, const codes8 *c, const codes8 *signs, cons
 }
 
 /* One block's integer sum with one row of x: the nb % 8 blocks after the groups, which only the
- * 32-block formats have (a K-quant row is whole super-blocks of 8 blocks). */
+ * 32-block formats have (a K-quant row is whole super-blocks of 8 blocks). Vectorized because
+ * SmolLM2's rows of 576 weights end in 2 such blocks: one byte dot product over the block's
+ * codes in natural order (bytes 0-15 weights 0-15, 16-31 weights 16-31) and its x. The same
+ * integer sum as the groups' (exact), so the order of the float sums does not change. */
 static int32_t block_sum_q8(int fmt, const uint8_t *row, int nb, int b, const int8_t *xq) {
-    int8_t q[32];
-    const int8_t *xlo = xq + (size_t)(b / 2) * 64 + (b % 2) * 16, *xhi = xlo + 32;
+    const int8_t *xlo = xq + (size_t)(b / 2) * 64 + (b % 2) * 16;
+    __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)xlo)),
+                                        _mm_loadu_si128((const __m128i *)(xlo + 32)), 1);
+    __m256i u;
     if (fmt == FMT_Q8_0) {
-        memcpy(q, row + 32 * (size_t)b, 32);
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(row + 32 * (size_t)b));
+        u = _mm256_abs_epi8(w);
+        x = _mm256_sign_epi8(x, w);
     } else {
-        float f[32];
-        __m256 v[4];
-        block_codes(fmt, row, nb, b, v);
-        for (int j = 0; j < 4; j++) _mm256_storeu_ps(f + 8 * j, v[j]);
-        /* f[8j + i] is weight i + 8j: the natural order */
-        for (int i = 0; i < 32; i++) q[i] = (int8_t)f[i];
+        const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(row + 16 * (size_t)b)));
+        u = _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
+        if (is_5bit(fmt)) {
+            uint32_t w;
+            memcpy(&w, row_planes(fmt, row, nb) + 4 * (size_t)b, 4);
+            u = or_bit4_bytes(u, w);
+        }
     }
-    int32_t s = 0;
-    for (int i = 0; i < 32; i++)
-        s += (fmt == FMT_Q8_0 ? q[i] : (uint8_t)q[i]) * (i < 16 ? xlo[i] : xhi[i - 16]);
-    return s;
+    const __m256i d = dpbusd(_mm256_setzero_si256(), u, x);
+    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
+    const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xB1)));
 }
 
 /* rows of x m0..m0+R (R <= R8) times weight row ``row``: out[r] = dot. xq: prepared rows

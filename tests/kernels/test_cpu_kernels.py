@@ -9,6 +9,8 @@ so the K-quants are covered without a quantizer (gguf-py has none for them).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -206,7 +208,6 @@ def test_the_library_abi_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_failed_build_is_said_not_hidden(tmp_path) -> None:
     """Without a working compiler the kernels are unavailable, and the reason says why."""
-    import os
     import subprocess
     import sys
 
@@ -496,3 +497,34 @@ def test_exact_rows_of_parts_in_different_formats_do_not_depend_on_their_batch(r
     got = ops.linear(x, fused, b)
     for i in range(rows):
         assert torch.equal(got[i], ops.linear(x[i:i + 1], fused, b)[0]), i
+
+
+@pytest.mark.skipif(os.environ.get("TRIO_INFER_KERNEL_BUILDS") != "1",
+                    reason="compiles the library a second time (~20-50 s): TRIO_INFER_KERNEL_BUILDS=1")
+def test_every_build_gives_the_same_bits(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library built for AVX2 alone (no AVX-512: the old way of merging Q5_x's bit 4 and
+    Q6_K's bits 4-5 into the codes) gives bitwise this machine's build's products, exact, int16
+    and int8, at 1, 3 and 9 rows of x, and the same packed bytes: the instruction sets change
+    how the integer codes are made, never the codes or the order of the float sums. Where this
+    CPU has no AVX-512 the two builds are one and the test says so."""
+    import ctypes
+
+    if cpu.cflags() == cpu.CFLAGS:
+        pytest.skip("this CPU's build is the AVX2 build")
+    native = cpu.require()
+    monkeypatch.setattr(cpu, "cflags", lambda: cpu.CFLAGS)
+    avx2 = cpu.CpuKernels(ctypes.CDLL(str(cpu.build(tmp_path))))
+    g = torch.Generator().manual_seed(19)
+    for fmt in sorted(FORMATS):
+        k = 768 if fmt in KQUANTS else 576  # 576: 18 blocks, 2 past the last group of 8
+        blocks = random_blocks(fmt, 11, k, g)
+        packed = [PackedWeight.from_blocks(fmt, blocks, k)]
+        packed.append(PackedWeight.empty(fmt, 11, k))
+        avx2.pack(fmt, blocks, k, packed[1].data, 1)
+        assert torch.equal(packed[0].data, packed[1].data), fmt
+        for acts in ("exact", "int16", "int8"):
+            for m in (1, 3, 9):
+                x = torch.randn(m, k, generator=g)
+                want = native.linear(x, packed[0].with_activations(acts), None, 1)
+                got = avx2.linear(x, packed[1].with_activations(acts), None, 1)
+                assert torch.equal(got, want), (fmt, acts, m)
