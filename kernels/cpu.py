@@ -48,7 +48,7 @@ FORMATS = {
     "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
 }
 # Bumped with cpu_kernels.c's tri_abi_version whenever the ctypes boundary changes.
-ABI_VERSION = 4
+ABI_VERSION = 5
 # How the kernels multiply x with quantized weights (cpu_kernels.c, lin_activations): exact fp32;
 # or x rounded per 32-block to int16 (decode-sized products of Q4_0, Q4_1, Q4_K, Q6_K, Q8_0) or
 # to int8 (every product of every block format, llama.cpp's numerics). The tolerances are in
@@ -383,6 +383,8 @@ class CpuKernels:
                 None, [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I]),
             "tri_decode_attention": (
                 _I, [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I, _I]),
+            "tri_extend_attention": (
+                _I, [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I, _I]),
             "tri_model_valid": (_I, [ctypes.POINTER(_Model)]),
             "tri_decode_step": (
                 _I, [ctypes.POINTER(_Model), _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _P, _I]),
@@ -483,6 +485,27 @@ class CpuKernels:
                                  v.data_ptr(), v.stride(0), positions.data_ptr(),
                                  slots.data_ptr(), t, hq, hkv, d, cos_sin.data_ptr(),
                                  k_cache.data_ptr(), v_cache.data_ptr(), _kv_f16(k_cache))
+
+    def extend_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         page_table: torch.Tensor, query_start_loc: torch.Tensor,
+                         seq_lens: torch.Tensor, scale: float, max_len: int,
+                         threads: int) -> torch.Tensor:
+        """Causal attention of the chunks of new tokens q [T, Hq, D] (query_start_loc [B + 1]
+        int64 splits them by sequence) -> [T, Hq, D]; as :meth:`decode_attention` per token."""
+        t, hq, d = q.shape
+        _, page_size, hkv, _ = k_cache.shape
+        out = torch.empty(t, hq, d, dtype=torch.float32)
+        rc = self._lib.tri_extend_attention(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            page_table.data_ptr(), page_table.stride(0), query_start_loc.data_ptr(),
+            seq_lens.data_ptr(), seq_lens.shape[0], hq, hkv, d, page_size, scale, out.data_ptr(),
+            max_len, threads, _kv_f16(k_cache))
+        if rc == -2:
+            raise MemoryError("tri_extend_attention could not allocate its scratch")
+        if rc != 0:
+            raise ValueError(f"chunks or context lengths outside [1, {max_len}] or past the "
+                             "page table")
+        return out
 
     def decode_step(self, weights: DecoderWeights, page_size: int,
                     kv_dtype: torch.dtype = torch.float32) -> DecodeStep:

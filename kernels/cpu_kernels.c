@@ -51,7 +51,7 @@ enum {
 };
 
 /* Bumped whenever a struct or signature of the ctypes boundary changes; kernels/cpu.py checks it. */
-int tri_abi_version(void) { return 4; }
+int tri_abi_version(void) { return 5; }
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -2351,6 +2351,65 @@ int tri_decode_attention(const float *q, int q_stride, const void *k_cache,
     decode_attention_omp(q, q_stride, k_cache, v_cache, page_table, max_pages, seq_lens, B, Hq,
                          Hkv, D, S, scale, out, max_len, scores, nthreads, kv_f16);
     free(scores);
+    return 0;
+}
+
+/* Causal attention for chunks of new tokens (prefill, chunked prefill), over the paged cache.
+ * q: [T, Hq, D] (rows ``q_stride`` floats apart per token), sequence b owning tokens
+ * [qsl[b], qsl[b + 1]), the last of its first seq_lens[b] positions (their keys and values
+ * already stored); out: [T, Hq, D]. A new token at position p attends over positions [0, p]:
+ * exactly what decode attention computes for a sequence of p + 1 positions (the same kernels,
+ * so a prompt's last token gets the bits a decode step would give it). Work items are (token,
+ * group of query heads) pairs, or tokens where rows are long (attend_seq). Returns 0, -1 on
+ * lengths the arguments do not allow, -2 without memory. */
+int tri_extend_attention(const float *q, int q_stride, const void *k_cache, const void *v_cache,
+                         const int64_t *page_table, int max_pages, const int64_t *qsl,
+                         const int64_t *seq_lens, int B, int Hq, int Hkv, int D, int S,
+                         float scale, float *out, int max_len, int nthreads, int kv_f16) {
+    if (!seq_lens_valid(seq_lens, B, max_len, max_pages, S) || qsl[0] != 0)
+        return -1;
+    for (int b = 0; b < B; b++)
+        if (qsl[b + 1] < qsl[b] || qsl[b + 1] - qsl[b] > seq_lens[b])
+            return -1;
+    const int T = (int)qsl[B];
+    int *seq_of = malloc((size_t)(T ? T : 1) * sizeof(int));
+    float *scratch = malloc((size_t)nthreads * attention_scratch(max_len, Hq, D) * sizeof(float));
+    if (!seq_of || !scratch) {
+        free(seq_of); free(scratch);
+        return -2;
+    }
+    for (int b = 0; b < B; b++)
+        for (int64_t t = qsl[b]; t < qsl[b + 1]; t++) seq_of[t] = b;
+    const int G = Hq / Hkv;
+    const int per_kv = (G + GROUP_MAX - 1) / GROUP_MAX;  /* groups of query heads per KV head */
+    const int whole = (size_t)Hkv * D * (kv_f16 ? 2 : 4) > ROW_BYTES_GROUPED;
+    const int items = whole ? T : T * Hkv * per_kv;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *mine = scratch + (size_t)omp_get_thread_num() * attention_scratch(max_len, Hq, D);
+        #pragma omp for schedule(dynamic, 4)
+        for (int i = 0; i < items; i++) {
+            const int t = whole ? i : i / (Hkv * per_kv);
+            const int b = seq_of[t];
+            const int L = (int)(seq_lens[b] - (qsl[b + 1] - t) + 1);  /* positions [0, p] */
+            const float *qt = q + (size_t)t * q_stride;
+            const int64_t *pages = page_table + (size_t)b * max_pages;
+            float *ot = out + (size_t)t * Hq * D;
+            if (whole) {
+                if (kv_f16)
+                    attend_seq(qt, k_cache, v_cache, pages, L, Hq, Hkv, D, S, scale, max_len, mine, ot, 1);
+                else
+                    attend_seq(qt, k_cache, v_cache, pages, L, Hq, Hkv, D, S, scale, max_len, mine, ot, 0);
+                continue;
+            }
+            const int grp = i % (Hkv * per_kv), kh = grp / per_kv, c = grp % per_kv;
+            const int h0 = kh * G + c * GROUP_MAX;
+            const int R = G - c * GROUP_MAX < GROUP_MAX ? G - c * GROUP_MAX : GROUP_MAX;
+            attend_heads(qt, k_cache, v_cache, pages, L, h0, R, G, Hkv, D, S, scale, max_len, mine,
+                         ot, kv_f16);
+        }
+    }
+    free(seq_of); free(scratch);
     return 0;
 }
 

@@ -209,6 +209,15 @@ def extend_attention(
             q, k_cache, v_cache, page_table, query_start_loc, seq_lens, scale,
             max_query_len=max_query_len,
         )
+    kernels = _cpu_kv(k_cache, v_cache)
+    if (kernels is not None and _heads_contiguous(q) and q.shape[0] > 0
+            and _cpu_attention_shape(q.shape[1], k_cache.shape[2], q.shape[2])
+            and page_table.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int64
+            and page_table.stride(1) == 1 and seq_lens.is_contiguous()
+            and query_start_loc.is_contiguous()):
+        max_len = int(seq_lens.max())
+        return kernels.extend_attention(q, k_cache, v_cache, page_table, query_start_loc,
+                                        seq_lens, scale, max_len, torch.get_num_threads())
     return reference.extend_attention(q, k_cache, v_cache, page_table, query_start_loc, seq_lens, scale)
 
 

@@ -316,6 +316,44 @@ def test_decode_attention_gives_a_sequence_the_same_bits_alone_or_in_a_batch(
     torch.testing.assert_close(batch, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 24), (32, 32, 64)])
+def test_extend_attention_is_decode_attention_at_every_new_token(
+        dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:
+    """Chunks of new tokens (a whole prompt, a chunk after cached pages, one token, none)
+    attend causally: close to the torch reference, and each new token at position p bitwise
+    what decode attention gives a sequence of p + 1 positions (so the last token of a prefill
+    and a decode step agree to the bit), on one thread or two."""
+    g = torch.Generator().manual_seed(7 * hq + d)
+    page_size, num_pages = 16, 48
+    k_cache, v_cache = (c.to(dtype) for c in _paged(num_pages, page_size, hkv, d, g))
+    seq_lens, chunks = [37, 130, 5, 16, 20], [37, 50, 1, 16, 0]
+    table = torch.randperm(num_pages, generator=g)[:5 * 9].view(5, 9).contiguous()
+    qsl = torch.tensor([0, *np.cumsum(chunks)], dtype=torch.int64)
+    q = torch.randn(int(qsl[-1]), hq, d, generator=g)
+    lens, kernels = torch.tensor(seq_lens), cpu.require()
+    got = ops.extend_attention(q, k_cache, v_cache, table, qsl, lens, d**-0.5)
+    want = reference.extend_attention(q, k_cache, v_cache, table, qsl, lens, d**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    one = kernels.extend_attention(q, k_cache, v_cache, table, qsl, lens, d**-0.5, max(seq_lens), 1)
+    assert torch.equal(got, one)
+    for b, (n, c) in enumerate(zip(seq_lens, chunks)):
+        for i in range(c):
+            t, p = int(qsl[b]) + i, n - c + i
+            alone = kernels.decode_attention(q[t:t + 1], k_cache, v_cache, table[b:b + 1],
+                                             torch.tensor([p + 1]), d**-0.5, p + 1, 2)
+            assert torch.equal(alone[0], got[t]), (b, i)
+
+
+def test_extend_attention_refuses_chunks_past_their_context() -> None:
+    """A chunk longer than its sequence's context is refused, not read out of bounds."""
+    k_cache, v_cache = _paged(4, 4, 2, 8, torch.Generator().manual_seed(0))
+    q, table = torch.randn(6, 2, 8), torch.tensor([[0, 1]])
+    with pytest.raises(ValueError):
+        cpu.require().extend_attention(q, k_cache, v_cache, table, torch.tensor([0, 6]),
+                                       torch.tensor([5]), 1.0, 5, 1)
+
+
 def test_build_is_cached(tmp_path) -> None:
     first = cpu.build(tmp_path)
     mtime = first.stat().st_mtime_ns
