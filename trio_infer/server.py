@@ -43,10 +43,11 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
    stream is one write (an SSE event), and hypercorn's write (``TCPServer.protocol_send``: the
    send lock, a shielded cancel scope, ``SocketStream.send_all`` with its conflict detector, the
    socket wrapper's ``_try_sync`` and checkpoints) cost a third of the front end's CPU at 256
-   streams (py-spy). Under the same send lock, taken without waiting, the bytes go to the
-   socket with one ``os.write``; only what it does not take (a full send buffer: a slow client)
-   goes through hypercorn's path, shielded as there. A write while another task holds the lock
-   takes hypercorn's path whole. Measured with ``bench frontend --compare`` (256 streams x 20 ms,
+   streams (py-spy). When no other task holds the send lock, the bytes go to the socket with
+   one ``os.write`` (which does not yield, so no other write can come in between: the lock need
+   not be taken for it); only what the socket does not take (a full send buffer: a slow client)
+   goes through hypercorn's path, under the lock and shielded as there. A write while another
+   task holds the lock takes hypercorn's path whole. Measured with ``bench frontend --compare`` (256 streams x 20 ms,
    medians of 3): server CPU per token 106 -> 88 us, gap p99 194 -> 77 ms (docs/benchmarks.md).
    Under any configuration (see above), so under bare ``hypercorn`` too.
 
@@ -57,7 +58,9 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
    writer: ``%x\r\n`` + data + ``\r\n``) before the write: five awaited layers, a tenth of the
    front end's CPU at 256 streams (py-spy). When the response is past its headers (h11 in
    ``SEND_BODY`` with its chunked writer) and the chunk is non-empty bytes with more to come,
-   the same framed bytes are handed straight to the connection's write (change 3); anything
+   the same framed bytes are handed straight to the connection's write (change 3, its
+   ``send_raw``, skipping ``protocol_send`` too; through ``protocol_send`` while the connection
+   is corked, change 5); anything
    else (the first and last messages, a HEAD or a fixed-length body, HTTP/2) goes through
    hypercorn's own path. Same bytes, same order, same lock. Like change 3, it applies to every
    connection once installed.
