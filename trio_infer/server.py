@@ -47,8 +47,9 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
    one ``os.write`` (which does not yield, so no other write can come in between: the lock need
    not be taken for it); only what the socket does not take (a full send buffer: a slow client)
    goes through hypercorn's path, under the lock and shielded as there. A write while another
-   task holds the lock takes hypercorn's path whole. Measured with ``bench frontend --compare`` (256 streams x 20 ms,
-   medians of 3): server CPU per token 106 -> 88 us, gap p99 194 -> 77 ms (docs/benchmarks.md).
+   task holds the lock takes hypercorn's path whole. Measured with ``bench frontend --compare``
+   (256 streams x 20 ms, medians of 3): server CPU per token 106 -> 88 us, gap p99 194 -> 77 ms
+   (docs/benchmarks.md).
    Under any configuration (see above), so under bare ``hypercorn`` too.
 
 4. **A streamed chunk skips hypercorn's per-event layers.** Each chunk of a streamed response
@@ -227,9 +228,10 @@ def install() -> bool:
 
         async def send_raw(self, data: bytes) -> None:
             """Change 3: the bytes written at once when the socket takes them, as hypercorn's
-            own path does it (under the connection's send lock, never cancelled half-way) but
-            without trio's per-call machinery for a write that cannot block. Nothing to write
-            is no write (change 5: h11 ends a fixed-length body with no bytes)."""
+            own path does it (never interleaved with another task's write, never cancelled
+            half-way) but without trio's per-call machinery for a write that cannot block.
+            Nothing to write is no write (change 5: h11 ends a fixed-length body with no
+            bytes)."""
             if not data:
                 return
             lock = self.send_lock
@@ -238,7 +240,7 @@ def install() -> bool:
             # The lock is free and the write below does not yield, so no other task can write
             # in between: the lock is only taken for what the socket did not take at once (a
             # full send buffer), whose rest is awaited (round 4: a write that the socket takes
-            # whole skips the lock's bookkeeping, 1% of the front end at 256 streams).
+            # whole skips the lock's bookkeeping, 1-2% of the front end at 256 streams).
             broken = False
             try:
                 sent = os.write(self.stream.socket.fileno(), data)

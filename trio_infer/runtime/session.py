@@ -178,9 +178,10 @@ class OutputQueue:
 
     Why not a memory channel: the reader of a stream wants all that is queued at each wake,
     and a channel gives that as ``receive()`` (two checkpoints when something is queued) then
-    ``receive_nowait()`` until it raises ``WouldBlock``: at 256 streams x 20 ms steps that was
-    ~11% of the front end's CPU (py-spy, issue 21 round 4). Here a delivery appends to a list and
-    wakes the parked reader, which takes the whole list: one wait, no exception per read.
+    ``receive_nowait()`` until it raises ``WouldBlock``: at 256 streams x 20 ms steps the read,
+    with the credits it gives back, was ~11% of the front end's CPU, ~8% with this queue
+    (py-spy, issue 21 round 4, docs/benchmarks.md). Here a delivery appends to a list and wakes
+    the parked reader, which takes the whole list: one wait, no exception per read.
 
     As a channel: :meth:`send_nowait` and :meth:`close` are the writer's (after ``close`` the
     reader gets what is queued, then ``trio.EndOfChannel``); the reader's side is
