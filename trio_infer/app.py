@@ -162,6 +162,10 @@ async def load_and_serve(nursery: trio.Nursery, state: ServerState) -> None:
     settle_heap()
 
 
+# The young generation's collection threshold once the model is served (CPython's default: 700).
+YOUNG_GC_THRESHOLD = 20_000
+
+
 def settle_heap() -> None:
     """Take everything loaded so far (the imports, the tokenizer: about 100k objects) out of the
     garbage collector's sight (``gc.freeze``).
@@ -173,8 +177,18 @@ def settle_heap() -> None:
     walks only what the requests made. Called once, when the model is served by
     :func:`load_and_serve` (not for an engine handed in: a test process makes many apps, and
     must collect them). No ``gc.collect()`` first: it would add as much to the time to healthy,
-    for the few cycles startup left behind."""
+    for the few cycles startup left behind.
+
+    And the young generation's threshold goes from 700 to :data:`YOUNG_GC_THRESHOLD` tracked
+    objects: every engine step's frame decodes a few hundred outputs (a struct, a tuple and a
+    list each), so at 700 a young collection ran about once a frame and its survivors fed the
+    older generations' collections: at 256 streams x 256 tokens, 352 young, 31 middle and 2
+    full collections in one run, ~430 ms of the front end's CPU (about 8% of it; measured with
+    ``gc.callbacks`` and ``time.thread_time``). At 20,000: 5 young collections and no other,
+    ~50 ms. The older generations keep their thresholds, so cyclic garbage is still collected,
+    only later; 20,000 young objects are a few MB at most (docs/benchmarks.md, issue 21, round 4)."""
     gc.freeze()
+    gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def _innermost(exc: BaseException) -> str:

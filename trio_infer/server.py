@@ -43,11 +43,13 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
    stream is one write (an SSE event), and hypercorn's write (``TCPServer.protocol_send``: the
    send lock, a shielded cancel scope, ``SocketStream.send_all`` with its conflict detector, the
    socket wrapper's ``_try_sync`` and checkpoints) cost a third of the front end's CPU at 256
-   streams (py-spy). Under the same send lock, taken without waiting, the bytes go to the
-   socket with one ``os.write``; only what it does not take (a full send buffer: a slow client)
-   goes through hypercorn's path, shielded as there. A write while another task holds the lock
-   takes hypercorn's path whole. Measured with ``bench frontend --compare`` (256 streams x 20 ms,
-   medians of 3): server CPU per token 106 -> 88 us, gap p99 194 -> 77 ms (docs/benchmarks.md).
+   streams (py-spy). When no other task holds the send lock, the bytes go to the socket with
+   one ``os.write`` (which does not yield, so no other write can come in between: the lock need
+   not be taken for it); only what the socket does not take (a full send buffer: a slow client)
+   goes through hypercorn's path, under the lock and shielded as there. A write while another
+   task holds the lock takes hypercorn's path whole. Measured with ``bench frontend --compare``
+   (256 streams x 20 ms, medians of 3): server CPU per token 106 -> 88 us, gap p99 194 -> 77 ms
+   (docs/benchmarks.md).
    Under any configuration (see above), so under bare ``hypercorn`` too.
 
 4. **A streamed chunk skips hypercorn's per-event layers.** Each chunk of a streamed response
@@ -57,7 +59,9 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
    writer: ``%x\r\n`` + data + ``\r\n``) before the write: five awaited layers, a tenth of the
    front end's CPU at 256 streams (py-spy). When the response is past its headers (h11 in
    ``SEND_BODY`` with its chunked writer) and the chunk is non-empty bytes with more to come,
-   the same framed bytes are handed straight to the connection's write (change 3); anything
+   the same framed bytes are handed straight to the connection's write (change 3, its
+   ``send_raw``, skipping ``protocol_send`` too; through ``protocol_send`` while the connection
+   is corked, change 5); anything
    else (the first and last messages, a HEAD or a fixed-length body, HTTP/2) goes through
    hypercorn's own path. Same bytes, same order, same lock. Like change 3, it applies to every
    connection once installed.
@@ -191,7 +195,7 @@ def install() -> bool:
         async def uncork(self) -> None:
             data = b"".join(self.corked or ())
             self.corked = None
-            await self._send_raw(data)
+            await self.send_raw(data)
 
         async def run(self) -> None:
             config = self.config
@@ -210,7 +214,7 @@ def install() -> bool:
                 if self.corked is not None:  # change 5
                     self.corked.append(event.data)
                     return
-                await self._send_raw(event.data)  # change 3: under any configuration
+                await self.send_raw(event.data)  # change 3: under any configuration
                 return
             if self.corked is not None:  # a close, a timer: what was written goes first
                 await self.uncork()
@@ -222,31 +226,37 @@ def install() -> bool:
             else:
                 await super().protocol_send(event)
 
-        async def _send_raw(self, data: bytes) -> None:
+        async def send_raw(self, data: bytes) -> None:
             """Change 3: the bytes written at once when the socket takes them, as hypercorn's
-            own path does it (under the connection's send lock, never cancelled half-way) but
-            without trio's per-call machinery for a write that cannot block. Nothing to write
-            is no write (change 5: h11 ends a fixed-length body with no bytes)."""
+            own path does it (never interleaved with another task's write, never cancelled
+            half-way) but without trio's per-call machinery for a write that cannot block.
+            Nothing to write is no write (change 5: h11 ends a fixed-length body with no
+            bytes)."""
             if not data:
                 return
             lock = self.send_lock
-            try:
-                lock.acquire_nowait()
-            except trio.WouldBlock:  # another task is writing: wait in hypercorn's own path
+            if lock.locked():  # another task is writing: wait in hypercorn's own path
                 return await super().protocol_send(RawData(data))
+            # The lock is free and the write below does not yield, so no other task can write
+            # in between: the lock is only taken for what the socket did not take at once (a
+            # full send buffer), whose rest is awaited (round 4: a write that the socket takes
+            # whole skips the lock's bookkeeping, 1-2% of the front end at 256 streams).
             broken = False
             try:
+                sent = os.write(self.stream.socket.fileno(), data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                sent, broken = 0, True
+            if not broken and sent < len(data):
+                lock.acquire_nowait()  # free: nothing yielded since locked() said so
                 try:
-                    sent = os.write(self.stream.socket.fileno(), data)
-                except BlockingIOError:
-                    sent = 0
-                if sent < len(data):
                     with trio.CancelScope(shield=True):
                         await self.stream.send_all(data[sent:])
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-                broken = True
-            finally:
-                lock.release()
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    broken = True
+                finally:
+                    lock.release()
             if broken:
                 await self.protocol.handle(Closed())
 
@@ -305,7 +315,12 @@ def install() -> bool:
                     and type(protocol) is H11Protocol:
                 connection = protocol.connection
                 if connection.our_state is h11.SEND_BODY and type(connection._writer) is ChunkedWriter:
-                    return await protocol.send(RawData(b"%x\r\n%b\r\n" % (len(data), data)))
+                    framed = b"%x\r\n%b\r\n" % (len(data), data)
+                    server = getattr(protocol.send, "__self__", None)  # the connection's TCPServer
+                    if type(server) is CappedTCPServer and server.corked is None \
+                            and isinstance(server.stream, trio.SocketStream):
+                        return await server.send_raw(framed)  # what protocol_send would do
+                    return await protocol.send(RawData(framed))
         return await app_send(self, message)
 
     HTTPStream.app_send = _app_send  # type: ignore[method-assign]

@@ -8,7 +8,8 @@ and only here:
 * which choices are still *live* (the keys of its credit table: a uid is live exactly while it has
   an entry; nothing else in the front end tracks it);
 * how many outputs the worker may still send for each (its credits, see ``runtime/router.py``);
-* the channel its reader takes outputs from, with one slot per credit, so a delivery never waits;
+* the queue its reader takes outputs from (:class:`OutputQueue`, a channel with room for every
+  credit), so a delivery never waits;
 * since when it has been out of credits (its reader stopped reading), for the stall timeout;
 * which choices the worker has not scheduled yet (still queued: their prompt tokens count
   against ``max_waiting_tokens``), when it first scheduled one (the end of its queue time, for
@@ -52,7 +53,8 @@ class Session:
         self._router = router
         self._credits: dict[int, int] = dict.fromkeys(range(num_choices), credits)
         self._queued: dict[int, int] = dict(enumerate(prompt_tokens))  # not yet scheduled
-        self._send, self.receive = trio.open_memory_channel[RequestOutput](credits * num_choices)
+        self.receive = OutputQueue()
+        self._send = self.receive
 
     # -- what it knows ------------------------------------------------------------------------
 
@@ -168,6 +170,88 @@ class Session:
             self._router.resumed(self)
 
 
+class OutputQueue:
+    """A session's outputs on their way to its reader: a trio memory channel's behaviour for
+    one writer (the session, which never waits: a slot per credit is its bound, see
+    ``router.py``) and one reader, plus :meth:`receive_batch`, which takes everything queued in
+    one wait.
+
+    Why not a memory channel: the reader of a stream wants all that is queued at each wake,
+    and a channel gives that as ``receive()`` (two checkpoints when something is queued) then
+    ``receive_nowait()`` until it raises ``WouldBlock``: at 256 streams x 20 ms steps the read,
+    with the credits it gives back, was ~11% of the front end's CPU, ~8% with this queue
+    (py-spy, issue 21 round 4, docs/benchmarks.md). Here a delivery appends to a list and wakes
+    the parked reader, which takes the whole list: one wait, no exception per read.
+
+    As a channel: :meth:`send_nowait` and :meth:`close` are the writer's (after ``close`` the
+    reader gets what is queued, then ``trio.EndOfChannel``); the reader's side is
+    :meth:`receive_nowait`, :meth:`receive_batch`, and ``with queue:`` (leaving it closes the
+    reader's side: a later ``send_nowait`` raises ``trio.BrokenResourceError``).
+    """
+
+    __slots__ = ("_items", "_ended", "_reader_gone", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list[RequestOutput] = []
+        self._ended = False  # the writer closed it
+        self._reader_gone = False
+        self._waiter: trio.lowlevel.Task | None = None
+
+    def __enter__(self) -> OutputQueue:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._reader_gone = True
+        self._items = []
+
+    def send_nowait(self, out: RequestOutput) -> None:
+        if self._ended:
+            raise trio.ClosedResourceError("the session's outputs already ended")
+        if self._reader_gone:
+            raise trio.BrokenResourceError("the reader left")
+        self._items.append(out)
+        self._wake()
+
+    def close(self) -> None:
+        """The writer's end: the reader gets what is queued, then ``trio.EndOfChannel``."""
+        self._ended = True
+        self._wake()
+
+    def receive_nowait(self) -> RequestOutput:
+        if self._items:
+            return self._items.pop(0)
+        if self._ended:
+            raise trio.EndOfChannel
+        raise trio.WouldBlock
+
+    async def receive_batch(self) -> list[RequestOutput]:
+        """Everything queued, waiting for the first if nothing is (one checkpoint either way);
+        ``trio.EndOfChannel`` once the writer closed it and all was taken."""
+        if self._reader_gone:
+            raise trio.ClosedResourceError("the reader's side is closed")
+        if self._items or self._ended:
+            await trio.lowlevel.checkpoint()
+        else:
+            self._waiter = trio.lowlevel.current_task()
+
+            def abort(_: object) -> trio.lowlevel.Abort:
+                self._waiter = None
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        items = self._items
+        if not items:
+            raise trio.EndOfChannel
+        self._items = []
+        return items
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(waiter)
+
+
 class GenerationStream:
     """What a request reads: lists of outputs, everything queued since the last read, so a
     reader that falls behind gets fewer, larger batches. ``out.uid == (request_id, index)``."""
@@ -180,18 +264,12 @@ class GenerationStream:
         return self
 
     async def __anext__(self) -> list[RequestOutput]:
-        receive = self._session.receive
         try:
-            outputs = [await receive.receive()]
+            outputs = await self._session.receive.receive_batch()
         except trio.EndOfChannel:
             if self._session.error is not None:
                 raise self._session.error from None
             raise StopAsyncIteration from None
-        while True:
-            try:
-                outputs.append(receive.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
         self._session.take(outputs)
         return outputs
 

@@ -1,0 +1,79 @@
+"""A session's :class:`OutputQueue`: a one-writer, one-reader channel whose reader takes
+everything queued in one wait (issue 21, round 4). What the rest of the front end relies on:
+the order of outputs, the end after the last one, a parked reader woken by either, a cancelled
+reader leaving no trace, and the two closed sides failing as a trio memory channel's do."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from trio_infer.runtime.session import OutputQueue
+from trio_infer.wire import RequestOutput
+
+
+def out(i: int, finish: str | None = None) -> RequestOutput:
+    return RequestOutput((1, 0), [i], None, finish, None, 1, i)
+
+
+async def test_a_read_takes_everything_queued_in_order() -> None:
+    q = OutputQueue()
+    for i in range(3):
+        q.send_nowait(out(i))
+    assert [o.token_ids[0] for o in await q.receive_batch()] == [0, 1, 2]
+    with pytest.raises(trio.WouldBlock):
+        q.receive_nowait()
+    q.send_nowait(out(3, "stop"))
+    q.close()
+    assert [o.token_ids[0] for o in await q.receive_batch()] == [3]  # what was queued, then
+    with pytest.raises(trio.EndOfChannel):
+        await q.receive_batch()
+    with pytest.raises(trio.EndOfChannel):
+        q.receive_nowait()
+
+
+async def test_a_parked_reader_wakes_on_a_delivery_and_on_the_end() -> None:
+    q = OutputQueue()
+    got: list[object] = []
+
+    async def reader() -> None:
+        while True:
+            try:
+                got.append([o.token_ids[0] for o in await q.receive_batch()])
+            except trio.EndOfChannel:
+                got.append("end")
+                return
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reader)
+        await trio.testing.wait_all_tasks_blocked()
+        q.send_nowait(out(0))
+        q.send_nowait(out(1))  # before the reader runs: the same read
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == [[0, 1]]
+        q.close()
+    assert got == [[0, 1], "end"]
+
+
+async def test_a_cancelled_reader_leaves_no_waiter_behind(autojump_clock) -> None:
+    q = OutputQueue()
+    with trio.move_on_after(1) as scope:
+        await q.receive_batch()
+    assert scope.cancelled_caught
+    q.send_nowait(out(7))  # would reschedule the cancelled task if it were still registered
+    assert [o.token_ids[0] for o in await q.receive_batch()] == [7]
+
+
+async def test_the_closed_sides_fail_as_a_memory_channels_do() -> None:
+    q = OutputQueue()
+    q.close()
+    with pytest.raises(trio.ClosedResourceError):
+        q.send_nowait(out(0))
+    r = OutputQueue()
+    with r:  # the reader leaves: what is queued is dropped, and a delivery is refused
+        r.send_nowait(out(0))
+    with pytest.raises(trio.BrokenResourceError):
+        r.send_nowait(out(1))
+    with pytest.raises(trio.ClosedResourceError):
+        await r.receive_batch()
