@@ -2072,6 +2072,24 @@ INLINE int ahead(const int64_t *pages, int pg, int t, int n, int p0, int L, int 
     return 1;
 }
 
+/* scores[p] = exp(scores[p] - mx) in place, for p < L; returns their sum (8 lanes, then the
+ * tail: the order every attention kernel here sums them in). */
+INLINE float softmax_exp(float *scores, int L, float mx) {
+    __m256 sum = _mm256_setzero_ps();
+    int p = 0;
+    for (; p + 8 <= L; p += 8) {
+        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + p), _mm256_set1_ps(mx)));
+        _mm256_storeu_ps(scores + p, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float total = hsum(sum);
+    for (; p < L; p++) {
+        scores[p] = expf(scores[p] - mx);
+        total += scores[p];
+    }
+    return total;
+}
+
 /* R (<= GROUP_MAX, a constant where inlined) query heads q (rows D apart) of KV head kh over a
  * context of L positions: out (rows D apart). ``scores``: R * max_len floats. */
 INLINE void attend_group(const float *q, const void *k_cache, const void *v_cache,
@@ -2114,22 +2132,7 @@ INLINE void attend_group(const float *q, const void *k_cache, const void *v_cach
         }
     }
     float inv[GROUP_MAX];
-    for (int g = 0; g < R; g++) {
-        float *sg = scores + (size_t)g * max_len;
-        __m256 sum = _mm256_setzero_ps();
-        int p = 0;
-        for (; p + 8 <= L; p += 8) {
-            const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + p), _mm256_set1_ps(mx[g])));
-            _mm256_storeu_ps(sg + p, e);
-            sum = _mm256_add_ps(sum, e);
-        }
-        float total = hsum(sum);
-        for (; p < L; p++) {
-            sg[p] = expf(sg[p] - mx[g]);
-            total += sg[p];
-        }
-        inv[g] = 1.0f / total;
-    }
+    for (int g = 0; g < R; g++) inv[g] = 1.0f / softmax_exp(scores + (size_t)g * max_len, L, mx[g]);
     for (int i0 = 0; i0 < D; i0 += 64) {  /* up to 8 vectors of each head's output in registers */
         const int nv = (D - i0) / 8 < 8 ? (D - i0) / 8 : 8;
         __m256 acc[GROUP_MAX][8];
@@ -2236,22 +2239,7 @@ static void attend_seq(const float *q, const void *k_cache, const void *v_cache,
         }
     }
     float inv[Hq];
-    for (int h = 0; h < Hq; h++) {
-        float *sh = scores + (size_t)h * max_len;
-        __m256 sum = _mm256_setzero_ps();
-        int p = 0;
-        for (; p + 8 <= L; p += 8) {
-            const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sh + p), _mm256_set1_ps(mx[h])));
-            _mm256_storeu_ps(sh + p, e);
-            sum = _mm256_add_ps(sum, e);
-        }
-        float total = hsum(sum);
-        for (; p < L; p++) {
-            sh[p] = expf(sh[p] - mx[h]);
-            total += sh[p];
-        }
-        inv[h] = 1.0f / total;
-    }
+    for (int h = 0; h < Hq; h++) inv[h] = 1.0f / softmax_exp(scores + (size_t)h * max_len, L, mx[h]);
     memset(sums, 0, (size_t)Hq * D * sizeof(float));
     for (int p0 = 0, pg = 0; p0 < L; p0 += S, pg++) {
         const int n = L - p0 < S ? L - p0 : S;
