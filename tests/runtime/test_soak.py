@@ -131,7 +131,11 @@ async def test_soak_then_every_gauge_back_to_zero(server) -> None:  # type: igno
     tally: dict[str, int] = {}
     fds = {pid: num_fds(pid) for pid in (proc.pid, worker)}  # no client connection yet
     tasks = status(url)["tasks"]  # the front end's trio tasks, this status request's included
-    limits = httpx.Limits(max_connections=CONCURRENCY * 2)
+    # The pool lets a connection go before the server's keep-alive timeout does: a request sent
+    # on a connection the server is closing for idleness at that moment is lost ("Server
+    # disconnected without sending a response"), HTTP keep-alive's own race, which a client
+    # avoids by expiring its idle connections first (seen once in a fresh-clone run under load).
+    limits = httpx.Limits(max_connections=CONCURRENCY * 2, keepalive_expiry=float(KEEP_ALIVE_S) / 2)
     async with httpx.AsyncClient(timeout=30, limits=limits) as client:
         for _ in range(20):  # warm-up: the first requests allocate what stays
             await one(client, url, "complete", rng, tally)
