@@ -2051,6 +2051,11 @@ void tri_rope_store(float *q, int q_stride, float *k, int k_stride, const float 
  * hardware prefetcher does not follow (see attend_seq). */
 #define ROW_BYTES_GROUPED 1024
 
+/* Whether a position's row of all KV heads is past ROW_BYTES_GROUPED. */
+INLINE int long_rows(int Hkv, int D, int kv_f16) {
+    return (size_t)Hkv * D * (kv_f16 ? 2 : 4) > ROW_BYTES_GROUPED;
+}
+
 /* Where position t of a context's page pg starts (its KV head 0). */
 INLINE size_t kv_row(const int64_t *pages, int pg, int t, int Hkv, int D, int S) {
     return ((size_t)pages[pg] * S + t) * Hkv * D;
@@ -2066,7 +2071,7 @@ INLINE void kv_prefetch(const void *cache, size_t at, int D, int kv_f16) {
 /* The row PF_ROWS positions after position t of page pg (or none past the context). */
 INLINE int ahead(const int64_t *pages, int pg, int t, int n, int p0, int L, int Hkv, int D, int S,
                  size_t *at) {
-    if (p0 + t + PF_ROWS >= L) return 0;
+    if (p0 + t + PF_ROWS >= L || t + PF_ROWS - n >= S) return 0;  /* past the context or the next page */
     *at = t + PF_ROWS < n ? kv_row(pages, pg, t + PF_ROWS, Hkv, D, S)
                           : kv_row(pages, pg + 1, t + PF_ROWS - n, Hkv, D, S);
     return 1;
@@ -2095,7 +2100,7 @@ INLINE float softmax_exp(float *scores, int L, float mx) {
 INLINE void attend_group(const float *q, const void *k_cache, const void *v_cache,
                          const int64_t *pages, int L, int kh, int Hkv, int D, int S, float scale,
                          int R, int max_len, float *scores, float *out, int kv_f16) {
-    const int far = (size_t)Hkv * D * (kv_f16 ? 2 : 4) > ROW_BYTES_GROUPED;
+    const int far = long_rows(Hkv, D, kv_f16);
     float mx[GROUP_MAX];
     for (int g = 0; g < R; g++) mx[g] = -INFINITY;
     size_t next;
@@ -2175,23 +2180,16 @@ static void attend_heads(const float *q, const void *k_cache, const void *v_cach
     const float *qh = q + (size_t)h0 * D;
     float *oh = out + (size_t)h0 * D;
     const int kh = h0 / G;
-#define ATTEND_GROUP(RR, F16) attend_group(qh, k_cache, v_cache, pages, L, kh, Hkv, D, S, scale, RR, \
-                                           max_len, scores, oh, F16)
-    if (kv_f16) {
-        switch (R) {
-#if GROUP_MAX >= 3
-        case 3: ATTEND_GROUP(3, 1); return;
-        case 2: ATTEND_GROUP(2, 1); return;
-#endif
-        default: ATTEND_GROUP(1, 1); return;
-        }
-    }
+#define ATTEND_GROUP(RR) (kv_f16 ? attend_group(qh, k_cache, v_cache, pages, L, kh, Hkv, D, S, scale, \
+                                                RR, max_len, scores, oh, 1) \
+                                   : attend_group(qh, k_cache, v_cache, pages, L, kh, Hkv, D, S, scale, \
+                                                RR, max_len, scores, oh, 0))
     switch (R) {
 #if GROUP_MAX >= 3
-    case 3: ATTEND_GROUP(3, 0); return;
-    case 2: ATTEND_GROUP(2, 0); return;
+    case 3: ATTEND_GROUP(3); return;
+    case 2: ATTEND_GROUP(2); return;
 #endif
-    default: ATTEND_GROUP(1, 0); return;
+    default: ATTEND_GROUP(1); return;
     }
 #undef ATTEND_GROUP
 }
@@ -2290,7 +2288,7 @@ static void decode_attention_omp(const float *q, int q_stride, const void *k_cac
         }
         return;
     }
-    if ((size_t)Hkv * D * (kv_f16 ? 2 : 4) > ROW_BYTES_GROUPED) {  /* long rows: attend_seq */
+    if (long_rows(Hkv, D, kv_f16)) {  /* attend_seq */
         #pragma omp for schedule(dynamic)
         for (int b = 0; b < B; b++) {
             const float *qb = q + (size_t)b * q_stride;
@@ -2370,7 +2368,7 @@ int tri_extend_attention(const float *q, int q_stride, const void *k_cache, cons
         for (int64_t t = qsl[b]; t < qsl[b + 1]; t++) seq_of[t] = b;
     const int G = Hq / Hkv;
     const int per_kv = (G + GROUP_MAX - 1) / GROUP_MAX;  /* groups of query heads per KV head */
-    const int whole = (size_t)Hkv * D * (kv_f16 ? 2 : 4) > ROW_BYTES_GROUPED;
+    const int whole = long_rows(Hkv, D, kv_f16);
     const int items = whole ? T : T * Hkv * per_kv;
     #pragma omp parallel num_threads(nthreads)
     {
