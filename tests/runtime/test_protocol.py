@@ -96,7 +96,7 @@ def test_a_session_owns_its_uids_credits_and_pause() -> None:
     assert router.num_waiting == 1 and router.waiting_tokens == 1 and router.oldest_queued() is None
     router.deliver([RequestOutput((7, 0), [3], None, None, None, 1, 1)] * 2, [], RequestFailed)
     assert router.num_waiting == 1 and session.paused_since == 1.0
-    outs = [session.receive.receive_nowait(), session.receive.receive_nowait()]
+    outs = [session.outputs.receive_nowait(), session.outputs.receive_nowait()]
     session.take(outs)  # two credits back: resumed
     assert session.paused_since is None and router.oldest_paused() is None
     session.finish(1)  # a stop string: aborted in the worker, and out of the queue
@@ -108,7 +108,7 @@ def test_a_session_owns_its_uids_credits_and_pause() -> None:
     assert router.num_sessions == 0 and router.live_uids() == []
     assert FrameDecoder(ToWorker).feed(router.data_to_send()) == [Abort((7, 0))]
     with pytest.raises(trio.EndOfChannel):
-        session.receive.receive_nowait()
+        session.outputs.receive_nowait()
 
 
 def test_a_request_that_cannot_be_encoded_leaves_nothing_behind() -> None:
@@ -187,7 +187,7 @@ def test_any_interleaving_keeps_the_bound_and_ends_every_uid_once(ops, credits, 
         for session in sessions.values():  # what the sessions' channels now hold
             while True:
                 try:
-                    out = session.receive.receive_nowait()
+                    out = session.outputs.receive_nowait()
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
                 unread[out.uid].append(out)

@@ -168,7 +168,7 @@ class AsyncEngine:
                                     timeout_s)
         self.metrics.prompt_tokens_total.inc(sum(len(p) for p in prompts) * n)
         try:
-            with session.receive:
+            with session.outputs:
                 yield GenerationStream(session)
         finally:
             session.close()

@@ -8,7 +8,7 @@ and only here:
 * which choices are still *live* (the keys of its credit table: a uid is live exactly while it has
   an entry; nothing else in the front end tracks it);
 * how many outputs the worker may still send for each (its credits, see ``runtime/router.py``);
-* the queue its reader takes outputs from (:class:`OutputQueue`, a channel with room for every
+* the queue its reader takes outputs from (``outputs``, an :class:`OutputQueue` with room for every
   credit), so a delivery never waits;
 * since when it has been out of credits (its reader stopped reading), for the stall timeout;
 * which choices the worker has not scheduled yet (still queued: their prompt tokens count
@@ -53,8 +53,7 @@ class Session:
         self._router = router
         self._credits: dict[int, int] = dict.fromkeys(range(num_choices), credits)
         self._queued: dict[int, int] = dict(enumerate(prompt_tokens))  # not yet scheduled
-        self.receive = OutputQueue()
-        self._send = self.receive
+        self.outputs = OutputQueue()  # written here, read by the request (GenerationStream)
 
     # -- what it knows ------------------------------------------------------------------------
 
@@ -95,7 +94,7 @@ class Session:
         if not self.started:
             self._router.started(self, now)
             self.started = True
-        self._send.send_nowait(out)
+        self.outputs.send_nowait(out)
         if out.finish_reason is None:
             self._credits[index] = left - 1
             if left == 1 and self.paused_since is None:
@@ -148,7 +147,7 @@ class Session:
         for index in list(self._credits):  # never finished: they end here, counted once
             self._end(index, reason)
             self._router.abort((self.request_id, index))
-        self._send.close()
+        self.outputs.close()
         self.scheduled.set()
         self._resume_if_ready()
         self._router.closed(self)
@@ -162,7 +161,7 @@ class Session:
             self._router.left_queue(self, tokens, admitted=False, first=False, now=None)
         self._router.ended(self, index, reason)
         if not self._credits:
-            self._send.close()  # the reader sees the end after the last output
+            self.outputs.close()  # the reader sees the end after the last output
 
     def _resume_if_ready(self) -> None:
         if self.paused_since is not None and all(self._credits.values()):
@@ -265,7 +264,7 @@ class GenerationStream:
 
     async def __anext__(self) -> list[RequestOutput]:
         try:
-            outputs = await self._session.receive.receive_batch()
+            outputs = await self._session.outputs.receive_batch()
         except trio.EndOfChannel:
             if self._session.error is not None:
                 raise self._session.error from None
