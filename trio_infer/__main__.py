@@ -86,12 +86,31 @@ async def serve(
 ) -> None:
     """Serve until SIGTERM/SIGINT, then shut down gracefully (see the module docstring).
     ``wiring``: what a supervisor (``--api-workers``) hands one of its front ends."""
+    # The batching worker first, before this process imports the rest of the front end: its
+    # imports (torch) and the model's load run on the other core meanwhile (docs/architecture.md,
+    # "Startup"). The app takes it over and reaps it; one still open below was never used (the
+    # server could not start), and is killed at once.
+    from trio_infer.runtime.transport import WorkerProcess
+
+    worker = None
+    if wiring.worker_address is None and settings.data_parallel == 1:
+        worker = await WorkerProcess.start(settings)
+    try:
+        await _serve(settings, wiring, worker, task_status=task_status)
+    finally:
+        if worker is not None:
+            await worker.aclose(exit_wait_s=0)
+
+
+async def _serve(
+    settings: Settings, wiring: Wiring, worker: Any, *, task_status: Any
+) -> None:
     from hypercorn.trio import serve as hypercorn_serve
 
     from trio_infer.app import create_app, drain
     from trio_infer.server import configure
 
-    app = create_app(settings, wiring=wiring)
+    app = create_app(settings, wiring=wiring, worker=worker)
     config = configure(settings, wiring)  # hypercorn's configuration and our changes to it
     shutdown = trio.Event()
     grace = trio.CancelScope()
@@ -148,17 +167,30 @@ def _serve_main(args: argparse.Namespace) -> int:
         from trio_infer.supervisor import run
 
         return run(settings, str(args.log_level))
-    from trio_infer.app import LoadFailed
-
     wiring = Wiring(listen_fd=args.listen_fd, worker_address=args.worker_address)
     try:
         trio.run(serve, settings, wiring)
     except BaseExceptionGroup as group:
+        from trio_infer.app import LoadFailed  # not before: serve() starts the worker first
+
         _, other = group.split(LoadFailed)
+        if other is None:
+            return 1  # the app logged why
+        # What hypercorn's start raises when it cannot listen (the port is taken, the host is not
+        # this machine's): one line, as llama-server and uvicorn say it, not a traceback.
+        unbound, other = other.split(OSError)
         if other is not None:
             raise
-        return 1  # the app logged why
+        log.error("cannot listen on %s port %d: %s", settings.host, settings.port,
+                  _innermost(unbound))
+        return 1
     return 0
+
+
+def _innermost(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
 
 
 # -- generate -------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import open_engine
 from trio_infer.runtime.data_parallel import open_data_parallel
 from trio_infer.runtime.errors import EngineUnavailable
+from trio_infer.runtime.transport import WorkerProcess
 from trio_infer.settings import Settings, Wiring
 from trio_infer.wire import Loading
 
@@ -82,7 +83,7 @@ class App(QuartTrio):
 
 def create_app(
     settings: Settings | None = None, *, loaded: "tuple[Engine, Any] | None" = None,
-    wiring: Wiring = Wiring(),
+    wiring: Wiring = Wiring(), worker: WorkerProcess | None = None,
 ) -> App:
     """A new app serving ``settings`` (``wiring``: how a front end of ``serve --api-workers``
     reaches the shared worker).
@@ -90,7 +91,9 @@ def create_app(
     By default the model is loaded by a batching worker process, in the background once the
     server listens. A program that holds an engine and its tokenizer already passes them as
     ``loaded``: the engine then runs behind the same protocol in a task of this process, started
-    before startup returns (tests under a mock clock rely on that).
+    before startup returns (tests under a mock clock rely on that). ``worker``: a batching worker
+    process ``serve`` started for ``settings`` before it imported this module, which the load
+    uses instead of starting one (whoever started it reaps it too: closing is idempotent).
     """
     settings = settings if settings is not None else Settings()
     app = App(__name__)
@@ -113,7 +116,7 @@ def create_app(
         # change 3 writes it (its docstring says why this is the place).
         server.install()
         if loaded is None:
-            app.nursery.start_soon(load_and_serve, app.nursery, state)
+            app.nursery.start_soon(load_and_serve, app.nursery, state, worker)
         else:
             engine, tokenizer = loaded
             state.serve(await app.nursery.start(_run_engine, state, engine), tokenizer)
@@ -129,7 +132,9 @@ def create_app(
     return app
 
 
-async def load_and_serve(nursery: trio.Nursery, state: ServerState) -> None:
+async def load_and_serve(
+    nursery: trio.Nursery, state: ServerState, worker: WorkerProcess | None = None
+) -> None:
     """Start the batching worker in ``nursery`` and load the tokenizer meanwhile; serve once the
     worker has loaded the model and the tokenizer is here. ``state.loading`` says how far the
     load got. Raises :class:`LoadFailed` (after logging why) if either cannot be loaded.
@@ -151,7 +156,7 @@ async def load_and_serve(nursery: trio.Nursery, state: ServerState) -> None:
         state.loading = Loading("worker")
         async with trio.open_nursery() as loads:
             loads.start_soon(load_tokenizer)
-            engine = await nursery.start(_run_engine, state, None)
+            engine = await nursery.start(_run_engine, state, None, worker)
             if not loaded:  # the worker was quicker
                 state.loading = Loading("tokenizer")
     except Exception as exc:
@@ -199,7 +204,8 @@ def _innermost(exc: BaseException) -> str:
 
 
 async def _run_engine(
-    state: ServerState, engine: Engine | None, *, task_status: Any = trio.TASK_STATUS_IGNORED
+    state: ServerState, engine: Engine | None, worker: WorkerProcess | None = None, *,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
     def on_loading(loading: Loading | None) -> None:
         state.loading = loading
@@ -211,7 +217,7 @@ async def _run_engine(
         opened = open_data_parallel(settings, state.metrics, on_loading=on_loading)
     else:
         opened = open_engine(settings, engine, state.metrics, on_loading=on_loading,
-                             wiring=state.wiring)
+                             wiring=state.wiring, started=worker)
     async with opened as serving:
         task_status.started(serving)
         await trio.sleep_forever()

@@ -222,3 +222,53 @@ def test_a_missing_model_stops_the_server_without_a_traceback(tmp_path: Path) ->
     assert out.returncode == 1
     assert f"the model could not be loaded: model '{tmp_path / 'missing'}'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+# Run as ``python -c``: ``serve`` with WorkerProcess.start replaced by a probe that records which of
+# the front end's web modules were imported when the worker was started, then stops the process.
+_SPAWN_PROBE = """
+import sys
+from trio_infer import __main__ as cli
+from trio_infer.runtime import transport
+
+async def probe(settings, **kwargs):
+    print(sorted(m for m in ("hypercorn", "quart", "quart_trio", "trio_infer.app") if m in sys.modules))
+    sys.stdout.flush()
+    raise SystemExit(0)
+
+transport.WorkerProcess.start = probe
+cli.main(["serve", "--port", sys.argv[1]])
+"""
+
+
+def test_serve_starts_its_worker_before_it_imports_the_web_stack(tmp_path: Path) -> None:
+    """The worker's imports (torch: over a second) run on the other core while the front end
+    imports hypercorn, quart and the app: started after them, the server would be healthy that
+    much later (docs/architecture.md, "Startup")."""
+    out = subprocess.run([sys.executable, "-c", _SPAWN_PROBE, str(free_port())],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "TRIO_INFER_CACHE_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_port_in_use_stops_serve_in_one_line_and_reaps_its_worker(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    import re
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "trio_infer", "serve", "--model", str(tiny_checkpoint),
+             "--port", str(port), "--cache-dir", str(tmp_path), "--torch-threads", "1"],
+            capture_output=True, text=True, timeout=120,
+        )
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert f"cannot listen on 127.0.0.1 port {port}: [Errno 98] Address already in use" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    [pid] = re.findall(r"batching worker started \(pid (\d+)\)", out.stderr)
+    assert f"batching worker {pid} exited" in out.stderr and not alive(int(pid))

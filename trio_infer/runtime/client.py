@@ -57,7 +57,12 @@ from trio_infer.runtime.errors import (
 )
 from trio_infer.runtime.router import Router, RouterStatistics
 from trio_infer.runtime.session import GenerationStream
-from trio_infer.runtime.transport import open_worker_process, open_worker_socket, open_worker_task
+from trio_infer.runtime.transport import (
+    WorkerProcess,
+    open_worker_process,
+    open_worker_socket,
+    open_worker_task,
+)
 from trio_infer.runtime.worker_link import (
     Connect,
     Connection,
@@ -331,6 +336,7 @@ def is_instant(engine: Engine) -> bool:
 async def open_engine(
     settings: Settings, engine: Engine | None = None, metrics: Metrics | None = None, *,
     on_loading: OnLoading | None = None, wiring: Wiring = Wiring(),
+    started: WorkerProcess | None = None,
 ) -> AsyncIterator[AsyncEngine]:
     """Start a batching worker for ``settings`` (a child process that loads the model), yield the
     engine once it is ready; on exit stop the worker and wait for it. ``on_loading`` hears the
@@ -339,7 +345,9 @@ async def open_engine(
     With ``engine`` (an :class:`~trio_infer.engine.engine.Engine` this program built), the worker
     is a task of this process over the same protocol instead (tests, embedding). With
     ``wiring.worker_address`` (a front end of ``serve --api-workers``), it is the supervisor's
-    shared worker, connected to (and reconnected to) on that socket.
+    shared worker, connected to (and reconnected to) on that socket. ``started``: a worker process
+    already started for ``settings`` (``serve`` starts it before its own imports), which the first
+    connection uses; a restart starts a new one. It is reaped like any other.
 
     ``async with open_engine(settings) as engine:`` then, per request,
     ``async with engine.generate(prompt_ids, [params]) as stream: async for outs in stream: ...``
@@ -350,7 +358,9 @@ async def open_engine(
         connect: Connect = lambda: open_worker_socket(address, timeout)  # noqa: E731
         restart = True
     elif engine is None:
-        connect = lambda: open_worker_process(settings)  # noqa: E731
+        unused = [started] if started is not None else []
+        connect = lambda: open_worker_process(  # noqa: E731
+            settings, started=unused.pop() if unused else None)
         restart = True
     else:
         in_thread = not is_instant(engine)

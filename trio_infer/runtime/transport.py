@@ -44,43 +44,85 @@ def start_message(settings: Settings, log_level: str | None = None) -> Start:
     return Start(settings.model_dump_json(exclude={"api_key"}), str(log_level).upper())
 
 
-@asynccontextmanager
-async def open_worker_process(
-    settings: Settings, *, log_level: str | None = None, listen: str | None = None, ports: int = 1,
-) -> AsyncIterator[trio.SocketStream]:
-    """Start ``python -m trio_infer.runtime.worker`` on one end of a socket pair and send it
-    :class:`~trio_infer.wire.Start`. With ``listen`` it is a shared worker that serves ``ports``
-    front ends connecting to that Unix socket, and the pair is its control pipe."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    for s in (ours, theirs):
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
-    argv = [sys.executable, "-m", "trio_infer.runtime.worker", "--fd", str(theirs.fileno())]
-    if listen is not None:
-        argv += ["--listen", listen, "--ports", str(ports)]
-    try:
-        process = await trio.lowlevel.open_process(
-            argv, pass_fds=(theirs.fileno(),), env=worker_environment(settings))
-    except BaseException:
-        ours.close()
-        raise
-    finally:
-        theirs.close()
-    stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
-    log.info("batching worker started (pid %d)", process.pid)
-    try:
-        await stream.send_all(encode([start_message(settings, log_level)]))
-        yield stream
-    finally:
+class WorkerProcess:
+    """A batching worker process, started and told its settings, and the front end's end of its
+    socket pair (:attr:`stream`). :meth:`aclose` closes the pipe (the worker exits on EOF, at
+    once if it is still loading) and reaps it; it is idempotent.
+
+    Started on its own (:meth:`start`) rather than only inside :func:`open_worker_process` so
+    that ``serve`` can start it before it imports the rest of the front end: the worker's own
+    imports (torch, a second or more) then run on the other core while this process imports
+    hypercorn, quart and the app, and the server is healthy that much sooner."""
+
+    def __init__(self, process: trio.Process, stream: trio.SocketStream) -> None:
+        self.process = process
+        self.stream = stream
+        self._closed = False
+
+    @classmethod
+    async def start(
+        cls, settings: Settings, *, log_level: str | None = None, listen: str | None = None,
+        ports: int = 1,
+    ) -> "WorkerProcess":
+        """Start ``python -m trio_infer.runtime.worker`` on one end of a socket pair and send it
+        :class:`~trio_infer.wire.Start`. With ``listen`` it is a shared worker that serves
+        ``ports`` front ends connecting to that Unix socket, and the pair is its control pipe."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for s in (ours, theirs):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+        argv = [sys.executable, "-m", "trio_infer.runtime.worker", "--fd", str(theirs.fileno())]
+        if listen is not None:
+            argv += ["--listen", listen, "--ports", str(ports)]
+        try:
+            process = await trio.lowlevel.open_process(
+                argv, pass_fds=(theirs.fileno(),), env=worker_environment(settings))
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        worker = cls(process, trio.SocketStream(trio.socket.from_stdlib_socket(ours)))
+        log.info("batching worker started (pid %d)", process.pid)
+        try:
+            await worker.stream.send_all(encode([start_message(settings, log_level)]))
+        except BaseException:
+            await worker.aclose()
+            raise
+        return worker
+
+    async def aclose(self, exit_wait_s: float = _EXIT_WAIT_S) -> None:
+        """Close the pipe and reap the worker, killing it if it has not exited ``exit_wait_s``
+        seconds later (0: a worker nobody used, which has nothing to finish)."""
+        if self._closed:
+            return
+        self._closed = True
+        process = self.process
         with trio.CancelScope(shield=True):
-            await stream.aclose()  # EOF: the worker exits
-            with trio.move_on_after(_EXIT_WAIT_S):
+            await self.stream.aclose()  # EOF: the worker exits
+            with trio.move_on_after(exit_wait_s):
                 await process.wait()
             if process.returncode is None:
-                log.warning("the batching worker did not exit; killing it")
+                if exit_wait_s:
+                    log.warning("the batching worker did not exit; killing it")
                 process.kill()
                 await process.wait()
             log.info("batching worker %d exited (%s)", process.pid, process.returncode)
+
+
+@asynccontextmanager
+async def open_worker_process(
+    settings: Settings, *, log_level: str | None = None, listen: str | None = None, ports: int = 1,
+    started: WorkerProcess | None = None,
+) -> AsyncIterator[trio.SocketStream]:
+    """A worker process's stream (:meth:`WorkerProcess.start`; or ``started``, one already
+    started), reaped on exit."""
+    worker = started or await WorkerProcess.start(
+        settings, log_level=log_level, listen=listen, ports=ports)
+    try:
+        yield worker.stream
+    finally:
+        await worker.aclose()
 
 
 @asynccontextmanager
