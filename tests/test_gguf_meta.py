@@ -1,4 +1,5 @@
-"""models/gguf_meta.py: our GGUF metadata reader reads what ``gguf.GGUFReader`` reads.
+"""models/gguf_meta.py: our GGUF metadata reader reads what ``gguf.GGUFReader`` reads (and
+models/gguf_header.py finds where its key/values end, as GGUFReader does).
 
 Compared field by field (value and type) and tensor by tensor (name, type, shape, offsets and the
 data views) on files written by ``gguf.GGUFWriter`` with every value type, and on the default
@@ -20,6 +21,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from trio_infer.models.default_model import default_cache_dir, default_model_file
+from trio_infer.models.gguf_header import metadata_end
 from trio_infer.models.gguf_meta import GGUFMetadata
 from trio_infer.models.paths import GGUFError
 
@@ -205,3 +207,31 @@ def test_corrupt_bytes_give_gguf_error_or_a_parse(tmp_path_factory: pytest.TempP
         GGUFMetadata.open(path)
     except GGUFError as exc:
         assert "truncated or corrupt" in str(exc)
+    try:
+        assert 0 < metadata_end(path) <= len(data)
+    except GGUFError as exc:
+        assert "truncated or corrupt" in str(exc) or "past the end" in str(exc) or "starts with" in str(exc)
+
+
+def _kv_end(path: Path) -> int:
+    """Where GGUFReader's last key/value ends."""
+    last = list(gguf.GGUFReader(str(path)).fields.values())[-1]
+    return last.offset + sum(int(part.nbytes) for part in last.parts)
+
+
+def test_metadata_end_is_where_gguf_reader_s_key_values_end(tmp_path: Path) -> None:
+    """What the tokenizer cache hashes: every value type, nested and empty arrays."""
+    for path in (write_every_type(tmp_path / "all.gguf"), write_every_type(tmp_path / "kv.gguf", False)):
+        assert metadata_end(path) == _kv_end(path)
+    test_empty_arrays_read_as_gguf_reader_reads_them(tmp_path)
+    assert metadata_end(tmp_path / "empty.gguf") == (tmp_path / "empty.gguf").stat().st_size
+
+
+def test_metadata_end_refuses_a_cut_in_the_metadata(tmp_path: Path) -> None:
+    data = write_every_type(tmp_path / "all.gguf", tensors=False).read_bytes()
+    end = metadata_end(tmp_path / "all.gguf")
+    cut = tmp_path / "cut.gguf"
+    for size in range(0, end, 7):
+        cut.write_bytes(data[:size])
+        with pytest.raises(GGUFError):
+            metadata_end(cut)

@@ -1,11 +1,12 @@
 """The GGUF tokenizer cache (runtime/tokenizer_cache.py): converted once, keyed by the file's
-content, written atomically. The converter is replaced by one that counts its calls (and returns
+metadata (what the tokenizer is made from), written atomically. The converter is replaced by one that counts its calls (and returns
 the tiny checkpoint's tokenizer), so these tests need no real GGUF file; the last one checks the
 real conversion of the default model against its cached copy."""
 
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,13 @@ def never_convert(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tokenizer_cache, "load_gguf_tokenizer", convert)
 
 
+def gguf_bytes(metadata: bytes, weights: bytes = b"") -> bytes:
+    """A GGUF file with one key/value (a string of ``metadata``) and ``weights`` after it."""
+    key = b"test.blob"
+    return (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+            + struct.pack("<IQ", 8, len(metadata)) + metadata + weights)
+
+
 def gguf(tmp_path: Path, content: bytes, name: str = "model.gguf") -> Path:
     path = tmp_path / name
     path.write_bytes(content)
@@ -52,7 +60,8 @@ def gguf(tmp_path: Path, content: bytes, name: str = "model.gguf") -> Path:
 def test_a_miss_converts_and_stores_then_a_hit_does_not_convert(
     tmp_path: Path, converter: list[Path], monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Path
 ) -> None:
-    model, cache = gguf(tmp_path, b"GGUF" + os.urandom(4096)), tmp_path / "cache"
+    content = gguf_bytes(os.urandom(4096).hex().encode(), os.urandom(4096))
+    model, cache = gguf(tmp_path, content), tmp_path / "cache"
     want = encodings(AutoTokenizer.from_pretrained(str(tiny_checkpoint)))
 
     first = load_gguf_tokenizer_cached(model, cache)
@@ -67,8 +76,10 @@ def test_a_miss_converts_and_stores_then_a_hit_does_not_convert(
     assert encodings(second) == want
 
 
-def test_the_key_is_the_content_not_the_size_or_the_time(tmp_path: Path, converter: list[Path]) -> None:
-    content = b"GGUF" + os.urandom(4096)
+def test_the_key_is_the_metadata_not_the_size_the_time_or_the_weights(
+    tmp_path: Path, converter: list[Path]
+) -> None:
+    content = gguf_bytes(os.urandom(4096).hex().encode(), os.urandom(4096))
     model, cache = gguf(tmp_path, content), tmp_path / "cache"
     load_gguf_tokenizer_cached(model, cache)
     key = cache_key(model)
@@ -80,10 +91,15 @@ def test_the_key_is_the_content_not_the_size_or_the_time(tmp_path: Path, convert
     load_gguf_tokenizer_cached(copy, cache)
     assert converter == [model]
 
-    # One byte changed, same size and time: a new key, converted again.
+    # The weights changed (bytes past the metadata): the same tokenizer, the same entry.
+    weights = bytearray(content)
+    weights[-1] ^= 0xFF
+    assert cache_key(gguf(tmp_path, bytes(weights), "retrained.gguf")) == key
+
+    # One byte of the metadata changed, same size and time: a new key, converted again.
     stat = model.stat()
     changed = bytearray(content)
-    changed[100] ^= 0xFF
+    changed[100] ^= 0x01
     model.write_bytes(bytes(changed))
     os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert model.stat().st_size == stat.st_size and cache_key(model) != key
@@ -95,7 +111,7 @@ def test_the_key_is_the_content_not_the_size_or_the_time(tmp_path: Path, convert
 def test_an_entry_another_process_stored_first_wins(tmp_path: Path, converter: list[Path]) -> None:
     """Two processes converting at once (the front end and the worker at a first start): the
     second rename finds the entry there and drops its own copy, without an error."""
-    model, cache = gguf(tmp_path, b"GGUF" + os.urandom(64)), tmp_path / "cache"
+    model, cache = gguf(tmp_path, gguf_bytes(os.urandom(64).hex().encode())), tmp_path / "cache"
     load_gguf_tokenizer_cached(model, cache)
     entry = cache / "tokenizers" / cache_key(model)
     tokenizer_cache._store(AutoTokenizer.from_pretrained(str(entry)), entry)
@@ -103,7 +119,7 @@ def test_an_entry_another_process_stored_first_wins(tmp_path: Path, converter: l
 
 
 def test_a_read_only_cache_still_gives_the_tokenizer(tmp_path: Path, converter: list[Path]) -> None:
-    model = gguf(tmp_path, b"GGUF" + os.urandom(64))
+    model = gguf(tmp_path, gguf_bytes(os.urandom(64).hex().encode()))
     blocker = tmp_path / "cache"
     blocker.write_text("a file where the cache folder should be")
     assert encodings(load_gguf_tokenizer_cached(model, blocker))
