@@ -88,6 +88,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import stat
+import struct
 from typing import Any
 
 import trio
@@ -122,8 +125,8 @@ def hypercorn_config(settings: Settings, wiring: Wiring = Wiring()) -> ServerCon
     config.graceful_timeout = 2.0
     # hypercorn's default listen backlog (100) drops the SYNs of a burst of new connections, which
     # clients retry only after a second: 256 clients arriving at once waited 1-2 s for a first
-    # token. uvicorn's default is 2048; the kernel caps it at net.core.somaxconn.
-    config.backlog = 2048
+    # token (the bare hypercorn command gets it from widen_backlogs()).
+    config.backlog = BACKLOG
     # Connection limits (README, "Connection limits"). keep_alive_timeout also bounds the time to
     # send a request's headers (hypercorn counts a connection idle until its headers are in).
     # hypercorn's read_timeout is left unset: it is a per-read idle timeout on the socket, which
@@ -134,6 +137,74 @@ def hypercorn_config(settings: Settings, wiring: Wiring = Wiring()) -> ServerCon
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # through our logging setup, once
     return config
+
+
+# The listen backlog of every listening TCP socket this server serves on: uvicorn's default; the
+# kernel caps it at net.core.somaxconn.
+BACKLOG = 2048
+
+# struct tcp_info (linux/tcp.h): 8 bytes of u8 fields, then u32 rto, ato, snd_mss, rcv_mss,
+# unacked, sacked. On a listening socket the kernel reports its accept queue's limit (the
+# backlog that listen() set, after the somaxconn cap) in tcpi_sacked.
+_TCP_INFO_SACKED = struct.Struct("=28xI")
+
+
+def _listen_backlog(sock: socket.socket) -> int | None:
+    """The accept queue's limit of a listening TCP socket (Linux), or None where not known."""
+    if not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 64)
+    except OSError:
+        return None
+    if len(info) < _TCP_INFO_SACKED.size:
+        return None
+    return _TCP_INFO_SACKED.unpack_from(info)[0]
+
+
+def widen_backlogs(backlog: int = BACKLOG) -> list[int]:
+    """Raise the listen backlog of every listening TCP socket of this process to ``backlog``
+    (never lower it); returns the file descriptors raised. Linux only (elsewhere: nothing).
+
+    Why: under the bare ``hypercorn trio_infer.app:app`` command hypercorn's own ``Config`` sets
+    the backlog, 100 unless the user passes ``--backlog``, and a burst of new connections past
+    it has its SYNs dropped: the kernel retries them after a second, which was that command's
+    TTFT p99 for a burst of 256 streams (1.3 s, against 0.38 s under ``serve``, which sets
+    :data:`BACKLOG` in its own configuration) and most of its lost keep-up. hypercorn creates
+    and listens on its sockets before it loads the app (``hypercorn.run.run`` ->
+    ``trio_worker``), so at the app's lifespan startup (``app.py``, where this is called) they
+    are already this process's; hypercorn has no hook to reach them and keeps them in locals,
+    so they are found by file descriptor: a socket in the listening state
+    (``SO_ACCEPTCONN``) whose accept queue's limit (``TCP_INFO``) is below ``backlog``. Linux
+    lets ``listen()`` be called again on a listening socket: it only changes that limit, and
+    connections already queued stay queued. A backlog the user set higher is left as it is;
+    one set lower (``--backlog 50``) is raised, which the README says. Unix-domain sockets
+    are left alone (their limit cannot be read back)."""
+    if not os.path.isdir("/proc/self/fd") or not hasattr(socket, "SO_ACCEPTCONN"):
+        return []
+    raised = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)  # detached below: the descriptor stays its owner's
+        except OSError:
+            continue
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM \
+                    or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue
+            current = _listen_backlog(sock)
+            if current is not None and current < backlog:
+                sock.listen(backlog)
+                raised.append(fd)
+                log.debug("listen backlog of fd %d raised from %d to %d", fd, current, backlog)
+        except OSError:
+            continue
+        finally:
+            sock.detach()
+    return raised
 
 
 # What a connection past the cap reads: a whole HTTP/1.1 response, then the close.

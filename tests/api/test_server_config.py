@@ -4,6 +4,10 @@ connection past the cap (its behaviour against a real server: tests/runtime/test
 from __future__ import annotations
 
 import json
+import socket
+import sys
+
+import pytest
 
 from hypercorn.config import Config
 
@@ -44,3 +48,23 @@ def test_install_is_idempotent_and_leaves_other_configs_alone() -> None:
     assert patched.__name__ == "CappedTCPServer" and H11Protocol._maybe_recycle.__name__ == "_maybe_recycle"
     # The changes test for a ServerConfig; a plain hypercorn Config is served as hypercorn does.
     assert not isinstance(Config(), server.ServerConfig)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO and /proc/self/fd")
+def test_widen_backlogs_raises_a_short_listen_backlog_and_never_lowers_one() -> None:
+    # The bare hypercorn command listens with hypercorn's 100 before the app starts; the app's
+    # startup raises it, so a burst's SYNs are not dropped (server.widen_backlogs).
+    with socket.create_server(("127.0.0.1", 0), backlog=100) as short, \
+            socket.create_server(("127.0.0.1", 0), backlog=server.BACKLOG + 1000) as long_, \
+            socket.socket() as unbound:
+        assert server._listen_backlog(short) == 100
+        raised = server.widen_backlogs()
+        assert short.fileno() in raised and long_.fileno() not in raised
+        assert unbound.fileno() not in raised
+        assert server._listen_backlog(short) == server.BACKLOG
+        assert server._listen_backlog(long_) == server.BACKLOG + 1000
+        # the descriptors are still their owners': the sockets still accept
+        with socket.create_connection(short.getsockname()):
+            conn, _ = short.accept()
+            conn.close()
+        assert server.widen_backlogs() == []
