@@ -252,10 +252,15 @@ async def _refuse(stream: Any) -> None:
 class _IdleTimer:
     """Change 6: a connection's idle timer, hypercorn's ``TrioSingleTask`` interface (``restart``,
     ``stop``) as one task per connection whose cancel scope's deadline is moved (the module's
-    docstring says why)."""
+    docstring says why). It closes the connection as hypercorn's ``_idle_timeout`` does: when
+    the connection has been idle for ``keep_alive_timeout``, or at once when the server
+    terminates while it is idle; never while a request is in flight (hypercorn's timer is
+    stopped then, and a request that ends after the server terminated closes its connection
+    itself)."""
 
     def __init__(self, server: Any) -> None:
         self._server = server  # the connection's TCPServer
+        self._idle = False
         self._deadline = math.inf
         self._scope: trio.CancelScope | None = None
         self._started = False
@@ -263,10 +268,14 @@ class _IdleTimer:
 
     async def restart(self, task_group: Any, action: Any) -> None:
         """The connection is idle: closed ``keep_alive_timeout`` from now unless a request
-        starts first. (``action`` is hypercorn's ``_idle_timeout``, whose work :meth:`_run`
-        does: its timeout is the deadline here.) Does not wait, so it cannot be cancelled
-        half-way (change 2)."""
-        self._set(trio.current_time() + self._server.config.keep_alive_timeout)
+        starts first (at once if the server is terminating). (``action`` is hypercorn's
+        ``_idle_timeout``, whose work :meth:`_run` does.) Does not wait, so it cannot be
+        cancelled half-way (change 2)."""
+        self._idle = True
+        if self._server.context.terminated.is_set():
+            self._set(-math.inf)
+        else:
+            self._set(trio.current_time() + self._server.config.keep_alive_timeout)
         if not self._started and not self._ended:
             self._started = True
             # The connection's task group, as TrioSingleTask uses it (its nursery, which
@@ -275,6 +284,7 @@ class _IdleTimer:
 
     async def stop(self) -> None:
         """A request started: the connection is not idle."""
+        self._idle = False
         self._set(math.inf)
 
     def end(self) -> None:
@@ -291,13 +301,18 @@ class _IdleTimer:
             self._scope.deadline = deadline
 
     async def _run(self) -> None:
-        if self._ended:
-            return
-        with trio.CancelScope(deadline=self._deadline) as self._scope:
-            await self._server.context.terminated.wait()
-        self._scope = None
-        if self._ended:
-            return
+        terminated = self._server.context.terminated
+        while True:
+            with trio.CancelScope(deadline=self._deadline) as self._scope:
+                if terminated.is_set():  # terminating while a request is in flight: wait
+                    await trio.sleep_forever()
+                else:
+                    await terminated.wait()
+            self._scope = None
+            if self._ended:
+                return
+            if self._idle:  # the deadline passed, or the server terminates, while idle
+                break
         with trio.CancelScope(shield=True):  # as hypercorn's _idle_timeout closes
             await self._server._initiate_server_close()
 
