@@ -85,14 +85,18 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
    (``TrioSingleTask``) starts a new task with ``nursery.start`` each time a connection becomes
    idle (when it opens, after each response) and cancels it when a request starts: per request
    two task starts, each a handshake of two rounds of the run loop under a lock, and one task's
-   exit. In a burst of 256 new connections that was ~5% of the front end's CPU per request
-   (py-spy, docs/benchmarks.md, issue 21 round 5), and it held each new connection back from
+   exit. In a burst of 256 new connections the end of a request (hypercorn's recycle, the
+   timer, the close) went from 21% to 15% of the front end's samples without it (py-spy,
+   docs/benchmarks.md, issue 21 round 5), and the handshake held each new connection back from
    reading its request for those rounds. :class:`_IdleTimer` has the same two methods: the
    connection's first ``restart`` starts one task (``start_soon``, no handshake) that waits for
    the server's termination under a cancel scope whose deadline is the timer; ``restart`` moves
    the deadline to ``keep_alive_timeout`` from now and ``stop`` to never, without waiting. When
-   the deadline passes, or the server terminates, the task closes the connection as hypercorn's
-   ``_idle_timeout`` does. Under any configuration: the same timeout, the same close.
+   the deadline passes, or the server terminates while the connection is idle, the task closes
+   the connection as hypercorn's ``_idle_timeout`` does (a request in flight at termination goes
+   on, as under hypercorn's stopped timer). Under any configuration: the same timeout, the same
+   close. (It reaches into hypercorn as ``TrioSingleTask`` does: the task group's nursery, and
+   ``TCPServer._initiate_server_close`` for the close.)
 
    And when the connection's reading ends (the client closed it), the timer's task ends at
    once: hypercorn's went on waiting for its timeout, and the connection's task (which waits
