@@ -9,9 +9,10 @@ any of the six changes below). Changes 1 and 2 apply only to connections served 
 :class:`ServerConfig`; under any other configuration (``hypercorn trio_infer.app:app`` on the
 command line, or another app in the same process) they are hypercorn's own behaviour. Changes
 3, 4 and 5 write the same bytes under the same lock, only faster, and change 6 keeps hypercorn's
-idle timeout with less work, so they apply to every connection once installed: ``serve`` installs all six before it starts hypercorn, and the app installs them
-from its lifespan startup (``app.py``), which is how the bare ``hypercorn trio_infer.app:app``
-command gets changes 3 to 6: hypercorn looks ``TCPServer`` up in ``hypercorn.trio.run`` when it starts
+idle timeout with less work, so they apply to every connection once installed: ``serve``
+installs all six before it starts hypercorn, and the app installs them from its lifespan
+startup (``app.py``), which is how the bare ``hypercorn trio_infer.app:app`` command gets
+changes 3 to 6: hypercorn looks ``TCPServer`` up in ``hypercorn.trio.run`` when it starts
 serving, after the app's startup has run. (Changes 1 and 2 stay off there: the cap and the
 timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does not carry.)
 
@@ -217,7 +218,8 @@ def widen_backlogs(backlog: int = BACKLOG) -> list[int]:
         except OSError:
             continue
         try:
-            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM \
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) \
+                    or sock.type != socket.SOCK_STREAM \
                     or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 continue
             current = _listen_backlog(sock)
@@ -341,7 +343,8 @@ def install() -> bool:
     except ImportError:
         return False
     if getattr(run_module, "TCPServer", None) is not TCPServer or not hasattr(TCPServer, "protocol_send") \
-            or not hasattr(TCPServer, "_initiate_server_close") or not hasattr(TCPServer, "_read_data") \
+            or not hasattr(TCPServer, "_initiate_server_close") \
+            or not hasattr(TCPServer, "_read_data") \
             or not hasattr(H11Protocol, "_maybe_recycle") or not hasattr(HTTPStream, "app_send") \
             or not hasattr(h11.Connection(h11.SERVER), "_writer"):
         return False

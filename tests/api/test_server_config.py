@@ -1,5 +1,7 @@
 """``trio_infer/server.py``: the hypercorn configuration ``serve`` runs, and the refusal of a
-connection past the cap (its behaviour against a real server: tests/runtime/test_connection_limits.py)."""
+connection past the cap (its behaviour against a real server: tests/runtime/test_connection_limits.py);
+the listen backlog raised at the app's startup (``widen_backlogs``) and the idle timer of
+change 6, under a mock clock."""
 
 from __future__ import annotations
 
