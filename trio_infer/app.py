@@ -113,8 +113,10 @@ def create_app(
     @app.before_serving
     async def _start_engine() -> None:
         # Under bare ``hypercorn trio_infer.app:app`` too, every write goes out as server.py's
-        # change 3 writes it (its docstring says why this is the place).
+        # change 3 writes it (its docstring says why this is the place), and a burst of new
+        # connections fits the listen backlog (``server.widen_backlogs`` says why).
         server.install()
+        server.widen_backlogs()
         if loaded is None:
             app.nursery.start_soon(load_and_serve, app.nursery, state, worker)
         else:

@@ -5,13 +5,14 @@ this project makes to hypercorn 0.18, with why each exists.
 option that differs from hypercorn's defaults is set there, next to its reason.
 
 :func:`install` changes two hypercorn classes (it must replace them: hypercorn has no hook for
-any of the five changes below). Changes 1 and 2 apply only to connections served under a
+any of the six changes below). Changes 1 and 2 apply only to connections served under a
 :class:`ServerConfig`; under any other configuration (``hypercorn trio_infer.app:app`` on the
 command line, or another app in the same process) they are hypercorn's own behaviour. Changes
-3, 4 and 5 write the same bytes under the same lock, only faster, so they apply to every
-connection once installed: ``serve`` installs all five before it starts hypercorn, and the app installs them
-from its lifespan startup (``app.py``), which is how the bare ``hypercorn trio_infer.app:app``
-command gets changes 3, 4 and 5: hypercorn looks ``TCPServer`` up in ``hypercorn.trio.run`` when it starts
+3, 4 and 5 write the same bytes under the same lock, only faster, and change 6 keeps hypercorn's
+idle timeout with less work, so they apply to every connection once installed: ``serve``
+installs all six before it starts hypercorn, and the app installs them from its lifespan
+startup (``app.py``), which is how the bare ``hypercorn trio_infer.app:app`` command gets
+changes 3 to 6: hypercorn looks ``TCPServer`` up in ``hypercorn.trio.run`` when it starts
 serving, after the app's startup has run. (Changes 1 and 2 stay off there: the cap and the
 timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does not carry.)
 
@@ -27,11 +28,12 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
    then restarts the connection's idle timer (``TCPServer.protocol_send(Updated(idle=True))`` ->
    ``TrioSingleTask.restart`` -> ``nursery.start``). Both run inside the app's own task (the ASGI
    ``send`` of the last body chunk). quart-trio answers the ``http.disconnect`` by cancelling the
-   request's nursery, which cancels that ``nursery.start`` half-way: the new timer task is
-   cancelled as it starts. So an idle keep-alive connection was never closed by the server after
+   request's nursery, which cancelled that ``nursery.start`` half-way: the new timer task was
+   cancelled as it started. So an idle keep-alive connection was never closed by the server after
    its first response, and a client could hold any number of connections open by sending one
-   request on each. The fix shields the timer's restart from the app's cancellation (the timer
-   then runs in the connection's task group, as hypercorn intends).
+   request on each. The timer is now :class:`_IdleTimer` (change 6), whose restart does not wait
+   and so cannot be cancelled half-way; the end of the request is shielded from the app's
+   cancellation (hypercorn's recycle must not stop half-way either).
 
    And a response that says ``Connection: close`` (ours does when it is sent before the
    request's body was read: 408, 413, 431) leaves h11 in ``MUST_CLOSE``, where hypercorn neither
@@ -80,6 +82,29 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
    status from the client. An empty write is never made. Same bytes, same order, same lock,
    under any configuration.
 
+6. **One idle timer per connection, moved rather than restarted.** hypercorn's idle timer
+   (``TrioSingleTask``) starts a new task with ``nursery.start`` each time a connection becomes
+   idle (when it opens, after each response) and cancels it when a request starts: per request
+   two task starts, each a handshake of two rounds of the run loop under a lock, and one task's
+   exit. In a burst of 256 new connections the end of a request (hypercorn's recycle, the
+   timer, the close) went from 21% to 15% of the front end's samples without it (py-spy,
+   docs/benchmarks.md, issue 21 round 5), and the handshake held each new connection back from
+   reading its request for those rounds. :class:`_IdleTimer` has the same two methods: the
+   connection's first ``restart`` starts one task (``start_soon``, no handshake) that waits for
+   the server's termination under a cancel scope whose deadline is the timer; ``restart`` moves
+   the deadline to ``keep_alive_timeout`` from now and ``stop`` to never, without waiting. When
+   the deadline passes, or the server terminates while the connection is idle, the task closes
+   the connection as hypercorn's ``_idle_timeout`` does (a request in flight at termination goes
+   on, as under hypercorn's stopped timer). Under any configuration: the same timeout, the same
+   close. (It reaches into hypercorn as ``TrioSingleTask`` does: the task group's nursery, and
+   ``TCPServer._initiate_server_close`` for the close.)
+
+   And when the connection's reading ends (the client closed it), the timer's task ends at
+   once: hypercorn's went on waiting for its timeout, and the connection's task (which waits
+   for its task group) with it, so a connection the client had closed still counted against
+   ``max_connections`` for up to ``keep_alive_timeout``: four bursts of 256 short requests
+   within 5 s had the fourth's last 24 refused 503 at the cap of 1,000.
+
 ``tests/runtime/test_connection_limits.py`` proves changes 1 and 2 against a real server (and
 fails without them); every streaming test goes through change 3.
 """
@@ -87,7 +112,11 @@ fails without them); every streaming test goes through change 3.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import socket
+import stat
+import struct
 from typing import Any
 
 import trio
@@ -122,8 +151,8 @@ def hypercorn_config(settings: Settings, wiring: Wiring = Wiring()) -> ServerCon
     config.graceful_timeout = 2.0
     # hypercorn's default listen backlog (100) drops the SYNs of a burst of new connections, which
     # clients retry only after a second: 256 clients arriving at once waited 1-2 s for a first
-    # token. uvicorn's default is 2048; the kernel caps it at net.core.somaxconn.
-    config.backlog = 2048
+    # token (the bare hypercorn command gets it from widen_backlogs()).
+    config.backlog = BACKLOG
     # Connection limits (README, "Connection limits"). keep_alive_timeout also bounds the time to
     # send a request's headers (hypercorn counts a connection idle until its headers are in).
     # hypercorn's read_timeout is left unset: it is a per-read idle timeout on the socket, which
@@ -134,6 +163,75 @@ def hypercorn_config(settings: Settings, wiring: Wiring = Wiring()) -> ServerCon
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # through our logging setup, once
     return config
+
+
+# The listen backlog of every listening TCP socket this server serves on: uvicorn's default; the
+# kernel caps it at net.core.somaxconn.
+BACKLOG = 2048
+
+# struct tcp_info (linux/tcp.h): 8 bytes of u8 fields, then u32 rto, ato, snd_mss, rcv_mss,
+# unacked, sacked. On a listening socket the kernel reports its accept queue's limit (the
+# backlog that listen() set, after the somaxconn cap) in tcpi_sacked.
+_TCP_INFO_SACKED = struct.Struct("=28xI")
+
+
+def _listen_backlog(sock: socket.socket) -> int | None:
+    """The accept queue's limit of a listening TCP socket (Linux), or None where not known."""
+    if not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 64)
+    except OSError:
+        return None
+    if len(info) < _TCP_INFO_SACKED.size:
+        return None
+    return _TCP_INFO_SACKED.unpack_from(info)[0]
+
+
+def widen_backlogs(backlog: int = BACKLOG) -> list[int]:
+    """Raise the listen backlog of every listening TCP socket of this process to ``backlog``
+    (never lower it); returns the file descriptors raised. Linux only (elsewhere: nothing).
+
+    Why: under the bare ``hypercorn trio_infer.app:app`` command hypercorn's own ``Config`` sets
+    the backlog, 100 unless the user passes ``--backlog``, and a burst of new connections past
+    it has its SYNs dropped: the kernel retries them after a second, which was that command's
+    TTFT p99 for a burst of 256 streams (1.3 s, against 0.38 s under ``serve``, which sets
+    :data:`BACKLOG` in its own configuration) and most of its lost keep-up. hypercorn creates
+    and listens on its sockets before it loads the app (``hypercorn.run.run`` ->
+    ``trio_worker``), so at the app's lifespan startup (``app.py``, where this is called) they
+    are already this process's; hypercorn has no hook to reach them and keeps them in locals,
+    so they are found by file descriptor: a socket in the listening state
+    (``SO_ACCEPTCONN``) whose accept queue's limit (``TCP_INFO``) is below ``backlog``. Linux
+    lets ``listen()`` be called again on a listening socket: it only changes that limit, and
+    connections already queued stay queued. A backlog the user set higher is left as it is;
+    one set lower (``--backlog 50``) is raised, which the README says. Unix-domain sockets
+    are left alone (their limit cannot be read back)."""
+    if not os.path.isdir("/proc/self/fd") or not hasattr(socket, "SO_ACCEPTCONN"):
+        return []
+    raised = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)  # detached below: the descriptor stays its owner's
+        except OSError:
+            continue
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) \
+                    or sock.type != socket.SOCK_STREAM \
+                    or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue
+            current = _listen_backlog(sock)
+            if current is not None and current < backlog:
+                sock.listen(backlog)
+                raised.append(fd)
+                log.debug("listen backlog of fd %d raised from %d to %d", fd, current, backlog)
+        except OSError:
+            continue
+        finally:
+            sock.detach()
+    return raised
 
 
 # What a connection past the cap reads: a whole HTTP/1.1 response, then the close.
@@ -157,11 +255,79 @@ async def _refuse(stream: Any) -> None:
     await trio.aclose_forcefully(stream)
 
 
+class _IdleTimer:
+    """Change 6: a connection's idle timer, hypercorn's ``TrioSingleTask`` interface (``restart``,
+    ``stop``) as one task per connection whose cancel scope's deadline is moved (the module's
+    docstring says why). It closes the connection as hypercorn's ``_idle_timeout`` does: when
+    the connection has been idle for ``keep_alive_timeout``, or at once when the server
+    terminates while it is idle; never while a request is in flight (hypercorn's timer is
+    stopped then, and a request that ends after the server terminated closes its connection
+    itself)."""
+
+    def __init__(self, server: Any) -> None:
+        self._server = server  # the connection's TCPServer
+        self._idle = False
+        self._deadline = math.inf
+        self._scope: trio.CancelScope | None = None
+        self._started = False
+        self._ended = False
+
+    async def restart(self, task_group: Any, action: Any) -> None:
+        """The connection is idle: closed ``keep_alive_timeout`` from now unless a request
+        starts first (at once if the server is terminating). (``action`` is hypercorn's
+        ``_idle_timeout``, whose work :meth:`_run` does.) Does not wait, so it cannot be
+        cancelled half-way (change 2)."""
+        self._idle = True
+        if self._server.context.terminated.is_set():
+            self._set(-math.inf)
+        else:
+            self._set(trio.current_time() + self._server.config.keep_alive_timeout)
+        if not self._started and not self._ended:
+            self._started = True
+            # The connection's task group, as TrioSingleTask uses it (its nursery, which
+            # hypercorn's TaskGroup keeps there).
+            task_group._nursery.start_soon(self._run)
+
+    async def stop(self) -> None:
+        """A request started: the connection is not idle."""
+        self._idle = False
+        self._set(math.inf)
+
+    def end(self) -> None:
+        """The connection's reading has ended (the client closed it, or it broke): the timer
+        has nothing left to close (the connection's own task closes the socket), so its task
+        ends now instead of holding the connection's task group open until the deadline."""
+        self._ended = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def _set(self, deadline: float) -> None:
+        self._deadline = deadline
+        if self._scope is not None:
+            self._scope.deadline = deadline
+
+    async def _run(self) -> None:
+        terminated = self._server.context.terminated
+        while True:
+            with trio.CancelScope(deadline=self._deadline) as self._scope:
+                if terminated.is_set():  # terminating while a request is in flight: wait
+                    await trio.sleep_forever()
+                else:
+                    await terminated.wait()
+            self._scope = None
+            if self._ended:
+                return
+            if self._idle:  # the deadline passed, or the server terminates, while idle
+                break
+        with trio.CancelScope(shield=True):  # as hypercorn's _idle_timeout closes
+            await self._server._initiate_server_close()
+
+
 _INSTALLED = False
 
 
 def install() -> bool:
-    """Install the five changes (idempotent). Returns False, changing nothing, if hypercorn is
+    """Install the six changes (idempotent). Returns False, changing nothing, if hypercorn is
     not the 0.18 layout they were written for."""
     global _INSTALLED
     if _INSTALLED:
@@ -177,17 +343,23 @@ def install() -> bool:
     except ImportError:
         return False
     if getattr(run_module, "TCPServer", None) is not TCPServer or not hasattr(TCPServer, "protocol_send") \
+            or not hasattr(TCPServer, "_initiate_server_close") \
+            or not hasattr(TCPServer, "_read_data") \
             or not hasattr(H11Protocol, "_maybe_recycle") or not hasattr(HTTPStream, "app_send") \
             or not hasattr(h11.Connection(h11.SERVER), "_writer"):
         return False
 
     class CappedTCPServer(TCPServer):
-        """Change 1 (the cap), the first half of change 2 (the timer's restart shielded),
-        change 3 (a write in one ``os.write``) and change 5's cork."""
+        """Change 1 (the cap), change 3 (a write in one ``os.write``), change 5's cork and
+        change 6 (the idle timer, ended with the connection's reading)."""
 
         # Change 5: while not None, the bytes hypercorn writes are kept here, to go out in one
         # write at uncork() (or before any event that is not bytes).
         corked: list[bytes] | None = None
+
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.idle_task = _IdleTimer(self)  # change 6
 
         def cork(self) -> None:
             self.corked = []
@@ -209,6 +381,12 @@ def install() -> bool:
             finally:
                 config.open_connections -= 1
 
+        async def _read_data(self) -> None:
+            try:
+                await super()._read_data()
+            finally:
+                self.idle_task.end()  # change 6
+
         async def protocol_send(self, event: Any) -> None:
             if type(event) is RawData and isinstance(self.stream, trio.SocketStream):
                 if self.corked is not None:  # change 5
@@ -218,13 +396,7 @@ def install() -> bool:
                 return
             if self.corked is not None:  # a close, a timer: what was written goes first
                 await self.uncork()
-            if not isinstance(self.config, ServerConfig):
-                await super().protocol_send(event)
-            elif isinstance(event, Updated) and event.idle:
-                with trio.CancelScope(shield=True):  # restarting the timer takes no time
-                    await super().protocol_send(event)
-            else:
-                await super().protocol_send(event)
+            await super().protocol_send(event)  # Updated: the idle timer (change 6)
 
         async def send_raw(self, data: bytes) -> None:
             """Change 3: the bytes written at once when the socket takes them, as hypercorn's
@@ -265,8 +437,8 @@ def install() -> bool:
     recycle = H11Protocol._maybe_recycle
 
     async def _maybe_recycle(self: Any) -> None:
-        """The second half of change 2: the end of a request shielded, and the idle timer
-        started after a ``Connection: close`` response too."""
+        """Change 2: the end of a request shielded, and the idle timer started after a
+        ``Connection: close`` response too."""
         if not isinstance(self.config, ServerConfig):
             return await recycle(self)
         # This runs in the app's task, which quart-trio cancels on the http.disconnect that

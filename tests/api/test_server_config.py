@@ -1,9 +1,18 @@
 """``trio_infer/server.py``: the hypercorn configuration ``serve`` runs, and the refusal of a
-connection past the cap (its behaviour against a real server: tests/runtime/test_connection_limits.py)."""
+connection past the cap (its behaviour against a real server: tests/runtime/test_connection_limits.py);
+the listen backlog raised at the app's startup (``widen_backlogs``) and the idle timer of
+change 6, under a mock clock."""
 
 from __future__ import annotations
 
 import json
+import socket
+import sys
+from typing import Any
+
+import pytest
+import trio
+from trio.testing import MockClock
 
 from hypercorn.config import Config
 
@@ -44,3 +53,94 @@ def test_install_is_idempotent_and_leaves_other_configs_alone() -> None:
     assert patched.__name__ == "CappedTCPServer" and H11Protocol._maybe_recycle.__name__ == "_maybe_recycle"
     # The changes test for a ServerConfig; a plain hypercorn Config is served as hypercorn does.
     assert not isinstance(Config(), server.ServerConfig)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO and /proc/self/fd")
+def test_widen_backlogs_raises_a_short_listen_backlog_and_never_lowers_one() -> None:
+    # The bare hypercorn command listens with hypercorn's 100 before the app starts; the app's
+    # startup raises it, so a burst's SYNs are not dropped (server.widen_backlogs).
+    with socket.create_server(("127.0.0.1", 0), backlog=100) as short, \
+            socket.create_server(("127.0.0.1", 0), backlog=server.BACKLOG + 1000) as long_, \
+            socket.socket() as unbound:
+        assert server._listen_backlog(short) == 100
+        raised = server.widen_backlogs()
+        assert short.fileno() in raised and long_.fileno() not in raised
+        assert unbound.fileno() not in raised
+        assert server._listen_backlog(short) == server.BACKLOG
+        assert server._listen_backlog(long_) == server.BACKLOG + 1000
+        # the descriptors are still their owners': the sockets still accept
+        with socket.create_connection(short.getsockname()):
+            conn, _ = short.accept()
+            conn.close()
+        assert server.widen_backlogs() == []
+
+
+class _Connection:
+    """What server._IdleTimer reads of hypercorn's TCPServer: its config, the worker's
+    context (``terminated``) and the close."""
+
+    def __init__(self, keep_alive_timeout: float) -> None:
+        from hypercorn.trio.worker_context import WorkerContext
+
+        self.config = Config()
+        self.config.keep_alive_timeout = keep_alive_timeout
+        self.context = WorkerContext(None)
+        self.closed_at: list[float] = []
+
+    async def _initiate_server_close(self) -> None:
+        self.closed_at.append(trio.current_time())
+
+
+class _TaskGroup:  # hypercorn's TaskGroup keeps its nursery as _nursery
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+
+def _run_timer(scenario: Any) -> list[float]:
+    """The times the timer closed the connection (a mock clock, from 0), and the time the
+    connection's task group was done."""
+    async def main() -> list[float]:
+        connection = _Connection(keep_alive_timeout=5.0)
+        timer = server._IdleTimer(connection)
+        async with trio.open_nursery() as nursery:
+            await scenario(timer, _TaskGroup(nursery), connection)
+            timer.end()  # whatever is left of the timer's task ends with the connection's reading
+        return connection.closed_at + [trio.current_time()]
+
+    return trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
+def test_the_idle_timer_closes_an_idle_connection_after_the_keep_alive_timeout() -> None:
+    async def scenario(timer: Any, group: Any, connection: Any) -> None:
+        await timer.restart(group, None)  # the connection opened
+        await trio.sleep(4)
+        await timer.stop()  # a request: not idle
+        await trio.sleep(100)  # a long request is never cut
+        await timer.restart(group, None)  # its response ended: idle again, from now
+        await trio.sleep(10)
+
+    assert _run_timer(scenario) == [104 + 5, 114]
+
+
+def test_the_idle_timer_at_termination_closes_idle_connections_only() -> None:
+    async def scenario(timer: Any, group: Any, connection: Any) -> None:
+        await timer.restart(group, None)
+        await timer.stop()  # a request in flight when the server terminates
+        await trio.sleep(1)
+        await connection.context.terminated.set()
+        await trio.sleep(50)
+        assert connection.closed_at == []  # hypercorn's timer was stopped: the request goes on
+        await timer.restart(group, None)  # idle after termination: closed at once
+        await trio.sleep(1)
+
+    assert _run_timer(scenario) == [51, 52]
+
+
+def test_the_idle_timer_ends_without_a_close_when_the_reading_ends() -> None:
+    async def scenario(timer: Any, group: Any, connection: Any) -> None:
+        await timer.restart(group, None)
+        await trio.sleep(1)
+        timer.end()  # the client closed the connection: its task ends now, not at the timeout
+        await timer.restart(group, None)  # nothing starts again
+
+    assert _run_timer(scenario) == [1]  # no close, and the task group was done at once

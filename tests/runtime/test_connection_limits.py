@@ -34,12 +34,17 @@ SLACK_S = 1.5  # scheduling on a busy 2-core machine
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")  # one for both servers: the second starts warm
+
+
+@pytest.fixture(scope="module")
+def url(cache_dir: Path) -> Iterator[str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "trio_infer", "serve", "--model", "fake", "--fake-step-ms", "5",
-         "--port", str(port), "--cache-dir", str(tmp_path_factory.mktemp("cache")),
+         "--port", str(port), "--cache-dir", str(cache_dir),
          "--keep-alive-timeout-s", str(KEEP_ALIVE_S), "--body-timeout-s", str(BODY_TIMEOUT_S),
          "--max-header-bytes", str(MAX_HEADER_BYTES), "--max-connections", str(MAX_CONNECTIONS),
          "--shutdown-grace-s", "0"],
@@ -277,3 +282,58 @@ def test_connections_past_the_cap_are_refused_at_once(url: str) -> None:
     wait_for(lambda: health(url) == 200, 10, "a new connection to be served")
     served(url)
 
+
+
+PATIENT_KEEP_ALIVE_S = 60.0  # far longer than the test: only a closed connection can free a slot
+PATIENT_MAX_CONNECTIONS = 4
+
+
+@pytest.fixture(scope="module")
+def patient_url(cache_dir: Path) -> Iterator[str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trio_infer", "serve", "--model", "fake", "--port", str(port),
+         "--cache-dir", str(cache_dir), "--keep-alive-timeout-s", str(PATIENT_KEEP_ALIVE_S),
+         "--max-connections", str(PATIENT_MAX_CONNECTIONS), "--shutdown-grace-s", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        wait_for(lambda: health(url) == 200 or proc.poll() is not None, 120, "the server")
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _health_on_a_new_connection(url: str, deadline: float) -> socket.socket:
+    """A new connection whose ``GET /health`` was answered 200 (kept open); one refused at the
+    cap (503) is retried until ``deadline`` (the server may not have seen the last closes yet)."""
+    while True:
+        sock = connect(url)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
+        data = sock.recv(65536)
+        if data.startswith(b"HTTP/1.1 200"):
+            return sock
+        sock.close()
+        assert data.startswith(b"HTTP/1.1 503"), data[:200]
+        assert time.monotonic() < deadline, "refused at the cap: closed connections still count"
+        time.sleep(0.05)
+
+
+def test_a_connection_the_client_closed_no_longer_counts_against_the_cap(
+    patient_url: str,
+) -> None:
+    """server.py change 6: once the client closes a kept-alive connection, it stops counting
+    against ``max_connections`` at once, not after ``keep_alive_timeout`` (hypercorn's idle
+    timer held the connection's task until then: with a 60 s timeout the second round here
+    was refused for a minute)."""
+    deadline = time.monotonic() + 15  # a quarter of the keep-alive timeout
+    for _ in range(3):
+        socks = [_health_on_a_new_connection(patient_url, deadline)
+                 for _ in range(PATIENT_MAX_CONNECTIONS)]
+        for sock in socks:
+            sock.close()
