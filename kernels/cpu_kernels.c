@@ -32,7 +32,7 @@
  * qh order; with AVX512BW a byte mask as it is); Q6_K keeps 8 bytes,
  * byte i's bits 2j, 2j + 1 being bits 4 and 5 of weight i + 8j (laid out for the 8 int32 lanes
  * a block's codes are widened to, lane i taking weights i, i + 8, i + 16 and i + 24). With
- * AVX512-VBMI both are merged into a block's 32 code bytes before widening (code_bytes32);
+ * AVX512-VBMI both are merged into a block's 32 code bytes before widening (block_codes_q6);
  * without, a shift, an and and an or per 8 weights. ggml's own
  * K-quant layouts interleave the codes by 64 and pack the 6-bit scales; tri_pack undoes both
  * (Q4_K and Q5_K grow by 4 bytes per 256 weights, 3%).
@@ -495,28 +495,6 @@ INLINE __m256i widen_bytes(__m256i v, int j) {
     return _mm256_maskz_permutexvar_epi8(0x11111111u,
         _mm256_setr_epi32(8 * j, 8 * j + 1, 8 * j + 2, 8 * j + 3, 8 * j + 4, 8 * j + 5, 8 * j + 6, 8 * j + 7), v);
 }
-
-/* Block b's 32 codes of a 5-bit format or Q6_K as bytes in natural order (byte k: weight k): the
- * nibbles (nibble_bytes), then bit 4 as one masked byte add of 0x10 under the block's 32-bit word
- * moved into a mask register (the bit is clear, so the add is an or), or Q6_K's bits 4-5: byte i's
- * bits 2j, 2j + 1 (weight 8j + i) to bits 4-5 of byte 8j + i, each byte picking its 8 bits at
- * 8i + 2j - 4 of the 8 plane bytes (vpmultishiftqb), merged by one vpternlogd. */
-INLINE __m256i code_bytes32(int fmt, const uint8_t *row, int nb, int b) {
-    const uint8_t *p = row_planes(fmt, row, nb) + (size_t)plane_bytes(fmt) * b;
-    __m256i q = nibble_bytes(row, b);
-    if (is_5bit(fmt)) {
-        uint32_t w;
-        memcpy(&w, p, 4);
-        return _mm256_mask_add_epi8(q, (__mmask32)w, q, _mm256_set1_epi8(0x10));  /* = or */
-    }
-    uint64_t h;
-    memcpy(&h, p, 8);
-    const __m256i ctl = _mm256_setr_epi8(
-        60, 4, 12, 20, 28, 36, 44, 52,  62, 6, 14, 22, 30, 38, 46, 54,
-        0, 8, 16, 24, 32, 40, 48, 56,  2, 10, 18, 26, 34, 42, 50, 58);
-    return _mm256_ternarylogic_epi32(q, _mm256_multishift_epi64_epi8(ctl, _mm256_set1_epi64x((long long)h)),
-                                     _mm256_set1_epi8(0x30), 0xF8);  /* q | (picked & 0x30) */
-}
 #endif
 
 /* Block b's 32 codes as floats: f[0] weights 0-7, f[1] 8-15, f[2] 16-23, f[3] 24-31 (Q6_K's
@@ -536,7 +514,21 @@ INLINE void block_codes_q6(int fmt, const uint8_t *row, int nb, int b, __m256 f[
     if (is_5bit(fmt) || fmt == FMT_Q6_K) {
         /* the codes built as 32 bytes, then widened: the high bits cost one or two instructions
          * a block, not a shift, an and and an or per 8 weights */
-        const __m256i q = code_bytes32(fmt, row, nb, b);
+        __m256i q = nibble_bytes(row, b);
+        if (is_5bit(fmt)) {  /* bit k of the word: bit 4 of weight k, a byte mask */
+            uint32_t w;
+            memcpy(&w, p, 4);
+            q = _mm256_mask_add_epi8(q, (__mmask32)w, q, _mm256_set1_epi8(0x10));  /* = or */
+        } else {  /* byte i's bits 2j, 2j + 1 (weight 8j + i) to bits 4-5 of byte 8j + i: each
+                   * byte picks its 8 bits at 8i + 2j - 4 of the 8 plane bytes (vpmultishiftqb) */
+            uint64_t h;
+            memcpy(&h, p, 8);
+            const __m256i ctl = _mm256_setr_epi8(
+                60, 4, 12, 20, 28, 36, 44, 52,  62, 6, 14, 22, 30, 38, 46, 54,
+                0, 8, 16, 24, 32, 40, 48, 56,  2, 10, 18, 26, 34, 42, 50, 58);
+            q = or_bits(q, _mm256_multishift_epi64_epi8(ctl, _mm256_set1_epi64x((long long)h)),
+                        _mm256_set1_epi8(0x30));
+        }
         for (int j = 0; j < 4; j++) c[j] = widen_bytes(q, j);
         if (fmt == FMT_Q6_K && q6_centred)
             for (int j = 0; j < 4; j++) c[j] = _mm256_sub_epi32(c[j], _mm256_set1_epi32(32));
@@ -706,12 +698,17 @@ static void tile(const float *x, int ldx, int m0, int m1, int K, const float *w,
     }
 }
 
-/* The integer row kernels take 8 blocks at a time: one 8-lane vector per block (or per pair of
+/* The few-rows kernels take 8 blocks at a time: one 8-lane vector per block (or per pair of
  * blocks) of partial sums, reduced to one vector holding each block's sum, so the scales, the
- * minimums and x's block sums of 8 blocks are applied with a few vector instructions. (The exact
- * kernel, dot_rows_blocks, scales each block's 16 lanes instead and sums lanes only at the end.) */
+ * minimums and x's block sums of 8 blocks are applied with a few vector instructions. */
 
 /* The sums of 8 vectors, one per block: lane j = sum of v[j]. */
+INLINE __m256 reduce8_ps(const __m256 v[8]) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
 INLINE __m256i reduce8_epi32(const __m256i v[8]) {
     const __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
     const __m256i t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
@@ -740,15 +737,24 @@ INLINE void prefetch_group(const uint8_t *row, size_t rb, int b, int nb) {
     _mm_prefetch(p + 128, _MM_HINT_T0);
 }
 
-/* prefetch_group for the exact row kernel: every cache line of the group's share of the row
- * (the last group's share runs to the row's end, its tail blocks and scales included), not 3.
- * Q8_0's 8 blocks are 272 bytes and SmolLM2's 576-wide rows end in 2 blocks past the last group:
- * 3 lines a group left a third of a Q8_0 lm_head's lines to the hardware prefetcher. */
-INLINE void prefetch_span(const uint8_t *row, size_t rb, int b, int nb) {
-    const size_t end = b + 16 > nb ? rb : rb * (b + 8) / nb;
-    const uintptr_t last = (uintptr_t)row + PREFETCH_AHEAD + end;
-    for (uintptr_t at = ((uintptr_t)row + PREFETCH_AHEAD + rb * b / nb) & ~(uintptr_t)63; at < last; at += 64)
-        _mm_prefetch((const char *)at, _MM_HINT_T0);
+/* dot(codes f of one block, x_b) as 8 partial sums (fp32 x); Q6_K's two halves apart in *hi, its
+ * codes not centred (see group_f32). dot_rows calls it once per row of x on codes unpacked once. */
+INLINE __m256 codes_dot_ps(int fmt, const __m256 f[4], const float *xb, __m256 *hi) {
+    __m256 s = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
+    s = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), s);
+    if (fmt == FMT_Q6_K) {
+        *hi = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+        return s;
+    }
+    s = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), s);
+    return _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), s);
+}
+
+/* dot(codes of block b, x_b): its codes unpacked, then codes_dot_ps. */
+INLINE __m256 block_dot_ps(int fmt, const uint8_t *row, int nb, int b, const float *xb, __m256 *hi) {
+    __m256 f[4];
+    block_codes_q6(fmt, row, nb, b, f, 0);
+    return codes_dot_ps(fmt, f, xb, hi);
 }
 
 /* The scales and offsets of the 8 blocks from b (b a multiple of 8), for the formats with one
@@ -779,174 +785,34 @@ INLINE void q6k_group_scales(const uint8_t *meta, int b, __m256 *slo, __m256 *sh
     _mm256_storeu_ps(hi, *shi);
 }
 
-/* -- the exact row kernel: one row of W times 1 to ROWS_MAX rows of x ------------------------- */
-
-/* Rows of x that dot_rows multiplies with one weight row at a time: each block's codes are
- * unpacked once into registers and multiplied with every row's x. */
-#define ROWS_MAX 8
-
-/* A block's 32 products with fp32 x are taken as 16 lanes (weights i and i + 16 in lane i):
- * one 512-bit vector with AVX-512, two 256-bit ones without. Every operation is lane by lane
- * and the lanes are summed only at the end of the row, so both builds make the same sums in the
- * same order: bitwise the same results. */
-#if defined(__AVX512F__) && defined(__AVX512VL__)
-#define HAVE_V16_ZMM 1
-typedef __m512 v16;
-INLINE v16 v16_zero(void) { return _mm512_setzero_ps(); }
-INLINE v16 v16_load(const float *p) { return _mm512_loadu_ps(p); }
-INLINE v16 v16_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
-INLINE v16 v16_fmadd(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
-INLINE v16 v16_set1(float a) { return _mm512_set1_ps(a); }
-INLINE v16 v16_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
-INLINE float v16_hsum(v16 v) {  /* lanes 0-7 plus lanes 8-15, then hsum */
-    return hsum(_mm256_add_ps(_mm512_castps512_ps256(v),
-                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
-}
-#else
-#define HAVE_V16_ZMM 0
-typedef struct { __m256 lo, hi; } v16;  /* lanes 0-7, 8-15 */
-INLINE v16 v16_zero(void) { v16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
-INLINE v16 v16_load(const float *p) { v16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
-INLINE v16 v16_mul(v16 a, v16 b) { v16 r = {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; return r; }
-INLINE v16 v16_fmadd(v16 a, v16 b, v16 c) {
-    v16 r = {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
-    return r;
-}
-INLINE v16 v16_set1(float a) { v16 r = {_mm256_set1_ps(a), _mm256_set1_ps(a)}; return r; }
-INLINE v16 v16_add(v16 a, v16 b) { v16 r = {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; return r; }
-INLINE float v16_hsum(v16 v) { return hsum(_mm256_add_ps(v.lo, v.hi)); }
-#endif
-
-/* Block b's 32 codes as floats in two 16-lane vectors: f[0] weights 0-15, f[1] weights 16-31
- * (Q6_K's not centred: its -32 goes through x's half-block sums). The same integer codes as
- * block_codes_q6 (which the 256-bit build calls), so the same floats. With AVX-512 the row
- * layout's 16 nibble bytes widen to the 16 lanes in one instruction (byte i holds weights i and
- * i + 16): an `and` and a shift split them, bit 4 of the 5-bit formats is one masked add per 16
- * lanes, and each vector goes through one conversion, where the 256-bit code takes two of each. */
-INLINE void block_codes16(int fmt, const uint8_t *row, int nb, int b, v16 f[2]) {
-#if HAVE_V16_ZMM
-    if (fmt == FMT_Q8_0) {
-        const uint8_t *q = row + 32 * (size_t)b;
-        f[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
-        f[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
-        return;
-    }
-#if HAVE_VBMI
-    if (is_5bit(fmt) || fmt == FMT_Q6_K) {  /* 32 code bytes (code_bytes32), each half widened */
-        const __m256i q = code_bytes32(fmt, row, nb, b);
-        f[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
-        f[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
-        return;
-    }
-#endif
-    const uint8_t *p = row_planes(fmt, row, nb) + (size_t)plane_bytes(fmt) * b;
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * (size_t)b)));
-    __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(0x0F)), hi = _mm512_srli_epi32(v, 4);
-    if (is_5bit(fmt)) {  /* bit k of the word: bit 4 of weight k (clear: the add is an or) */
-        uint32_t w;
-        memcpy(&w, p, 4);
-        lo = _mm512_mask_add_epi32(lo, (__mmask16)w, lo, _mm512_set1_epi32(16));
-        hi = _mm512_mask_add_epi32(hi, (__mmask16)(w >> 16), hi, _mm512_set1_epi32(16));
-    } else if (fmt == FMT_Q6_K) {
-        /* plane byte i's bits 2j, 2j + 1 are weight i + 8j's bits 4-5: the 8 bytes widened into
-         * lanes 0-7 and again into 8-15, each lane shifted to bring its pair to bits 4-5 */
-        long long h;
-        memcpy(&h, p, 8);
-        const __m512i u = _mm512_cvtepu8_epi32(_mm_set1_epi64x(h)), m = _mm512_set1_epi32(0x30);
-        lo = _mm512_ternarylogic_epi32(lo, _mm512_sllv_epi32(u, _mm512_setr_epi32(
-                 4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2)), m, 0xF8);  /* lo | (.. & m) */
-        hi = _mm512_ternarylogic_epi32(hi, _mm512_srlv_epi32(u, _mm512_setr_epi32(
-                 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)), m, 0xF8);
-    }
-    f[0] = _mm512_cvtepi32_ps(lo);
-    f[1] = _mm512_cvtepi32_ps(hi);
-#else
-    __m256 c[4];
-    block_codes_q6(fmt, row, nb, b, c, 0);
-    f[0].lo = c[0]; f[0].hi = c[1];
-    f[1].lo = c[2]; f[1].hi = c[3];
-#endif
-}
-
-/* out[r] = dot(w_row, x row r) for R <= ROWS_MAX rows of x (``ldx`` floats apart, their block
- * sums ``ldxs`` apart; R a constant where it is inlined), exact: per row, 16 lanes of
- * sum over blocks of scale * (codes * x), in two accumulators (even and odd blocks; Q6_K: its
- * first and second halves, each with its own scale), plus the offsets times x's block sums (8 at
- * a time, as vectors), plus the last nb % 8 blocks' offsets (none for the K-quants). Each block's
- * codes and each group of 8 blocks' scales are unpacked once for all R rows; every row's
- * additions run in the same order whatever R is, so its result is bitwise its result alone
- * (batch invariance: speculative decoding's verify rows and small batches give a sequence the
- * logits it has alone). Why the scale goes on per block, lane by lane, and not after a
- * horizontal sum of 8 blocks (as before): the reduction of 8 vectors cost about as much as the
- * products, and the 16-lane form needs no reduction before the row's end. */
-INLINE void dot_rows_blocks(int fmt, const uint8_t *row, size_t rb, const float *x, size_t ldx,
-                            const float *xsum, size_t ldxs, int K, int R, float *out) {
-    const int nb = K / 32;
-    const uint8_t *meta = row_meta(fmt, row, nb);
-    v16 acc[ROWS_MAX][2];
-    __m256 offs[ROWS_MAX];
-    float tail[ROWS_MAX];
-    for (int r = 0; r < R; r++) {
-        acc[r][0] = acc[r][1] = v16_zero();
-        offs[r] = _mm256_setzero_ps();
-        tail[r] = 0.0f;
-    }
-    int b = 0;
-    for (; b + 8 <= nb; b += 8) {
-        prefetch_span(row, rb, b, nb);
+/* 8 blocks from b into acc: each block's sum of code * x times its scale, plus its offset times
+ * the sum of its x (``xsum``). The scales and offsets of 8 blocks are applied as vectors. */
+INLINE __m256 group_f32(int fmt, const uint8_t *row, const uint8_t *meta, int nb, int b,
+                        const float *x, const float *xsum, __m256 acc) {
+    __m256 v[8];
+    if (fmt == FMT_Q6_K) {
+        /* two scales a block, applied per block before the reduction; the codes' -32 comes as
+         * -32 * scale * (sum of the half block's x), from x's half-block sums after its block
+         * sums (xsum + nb: per group of 8 blocks, 8 first halves then 8 second halves) */
+        __m256 slo, shi;
         float lo[8], hi[8];
-        if (fmt == FMT_Q6_K) {
-            __m256 slo, shi;
-            q6k_group_scales(meta, b, &slo, &shi, lo, hi);
-            for (int r = 0; r < R; r++) {  /* the codes' -32: -32 * (scale * half-block sums of x) */
-                const float *halves = xsum + r * ldxs + nb + 2 * (size_t)b;
-                const __m256 off = _mm256_fmadd_ps(slo, _mm256_loadu_ps(halves),
-                                                   _mm256_mul_ps(shi, _mm256_loadu_ps(halves + 8)));
-                offs[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(-32.0f), offs[r]);
-            }
-        } else {
-            __m256 scale, off;
-            group_affine(fmt, meta, nb, b, &scale, &off);
-            _mm256_storeu_ps(lo, scale);
-            if (fmt != FMT_Q8_0)
-                for (int r = 0; r < R; r++)
-                    offs[r] = _mm256_fmadd_ps(off, _mm256_loadu_ps(xsum + r * ldxs + b), offs[r]);
-        }
+        q6k_group_scales(meta, b, &slo, &shi, lo, hi);
         for (int j = 0; j < 8; j++) {
-            v16 f[2];
-            block_codes16(fmt, row, nb, b + j, f);
-            if (fmt == FMT_Q6_K) {
-                const v16 sl = v16_set1(lo[j]), sh = v16_set1(hi[j]);
-                for (int r = 0; r < R; r++) {
-                    const float *xb = x + r * ldx + (size_t)(b + j) * 32;
-                    acc[r][0] = v16_fmadd(v16_mul(f[0], v16_load(xb)), sl, acc[r][0]);
-                    acc[r][1] = v16_fmadd(v16_mul(f[1], v16_load(xb + 16)), sh, acc[r][1]);
-                }
-            } else {
-                const v16 sc = v16_set1(lo[j]);
-                for (int r = 0; r < R; r++) {
-                    const float *xb = x + r * ldx + (size_t)(b + j) * 32;
-                    const v16 s = v16_fmadd(f[1], v16_load(xb + 16), v16_mul(f[0], v16_load(xb)));
-                    acc[r][j & 1] = v16_fmadd(s, sc, acc[r][j & 1]);
-                }
-            }
+            __m256 h;
+            const __m256 l = block_dot_ps(fmt, row, nb, b + j, x + (size_t)(b + j) * 32, &h);
+            v[j] = _mm256_fmadd_ps(h, _mm256_set1_ps(hi[j]), _mm256_mul_ps(l, _mm256_set1_ps(lo[j])));
         }
+        const float *halves = xsum + nb + 2 * (size_t)b;
+        const __m256 off = _mm256_fmadd_ps(slo, _mm256_loadu_ps(halves),
+                                           _mm256_mul_ps(shi, _mm256_loadu_ps(halves + 8)));
+        return _mm256_add_ps(acc, _mm256_fmadd_ps(off, _mm256_set1_ps(-32.0f), reduce8_ps(v)));
     }
-    for (; b < nb; b++) {  /* the last nb % 8 blocks (none for the K-quants), one at a time */
-        float s0, s1, off;
-        v16 f[2];
-        block_affine(fmt, meta, nb, b, &s0, &s1, &off);
-        block_codes16(fmt, row, nb, b, f);
-        const v16 sc = v16_set1(s0);
-        for (int r = 0; r < R; r++) {
-            const float *xb = x + r * ldx + (size_t)b * 32;
-            const v16 s = v16_fmadd(f[1], v16_load(xb + 16), v16_mul(f[0], v16_load(xb)));
-            acc[r][b & 1] = v16_fmadd(s, sc, acc[r][b & 1]);
-            tail[r] += off * xsum[r * ldxs + b];
-        }
-    }
-    for (int r = 0; r < R; r++)
-        out[r] = v16_hsum(v16_add(acc[r][0], acc[r][1])) + hsum(offs[r]) + tail[r];
+    for (int j = 0; j < 8; j++)
+        v[j] = block_dot_ps(fmt, row, nb, b + j, x + (size_t)(b + j) * 32, NULL);
+    __m256 scale, off;
+    group_affine(fmt, meta, nb, b, &scale, &off);
+    acc = _mm256_fmadd_ps(reduce8_ps(v), scale, acc);
+    return fmt == FMT_Q8_0 ? acc : _mm256_fmadd_ps(off, _mm256_loadu_ps(xsum + b), acc);
 }
 
 INLINE float dot_row_fmt(int fmt, const uint8_t *row, size_t rb, const float *x, const float *xsum,
@@ -959,9 +825,21 @@ INLINE float dot_row_fmt(int fmt, const uint8_t *row, size_t rb, const float *x,
                                        _mm256_loadu_ps(x + k + 8 * j), a[j]);
         return hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
     }
-    float out;
-    dot_rows_blocks(fmt, row, rb, x, 0, xsum, 0, K, 1, &out);
-    return out;
+    const int nb = K / 32;
+    const uint8_t *meta = row_meta(fmt, row, nb);
+    __m256 acc = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        prefetch_group(row, rb, b, nb);
+        acc = group_f32(fmt, row, meta, nb, b, x, xsum, acc);
+    }
+    float tail = 0.0f;  /* the last nb % 8 blocks (none for the K-quants), one at a time */
+    for (; b < nb; b++) {
+        float s0, s1, off;
+        block_affine(fmt, meta, nb, b, &s0, &s1, &off);
+        tail += hsum(block_dot_ps(fmt, row, nb, b, x + (size_t)b * 32, NULL)) * s0 + off * xsum[b];
+    }
+    return hsum(acc) + tail;
 }
 
 /* dot(w_row, x), exact: sum over blocks of scale * dot(codes, x_b) + offset * sum(x_b);
@@ -983,30 +861,91 @@ static float dot_row(int fmt, const uint8_t *row, size_t rb, const float *x, con
 
 /* -- a few rows of x, exact and batch invariant --------------------------------------------------- */
 
-/* dot_rows_fmt: R rows of x through one unpacking of the weight row: the block formats through
- * dot_rows_blocks (each row's result bitwise dot_row's for it alone), the 16-bit ones below. */
+/* Rows of x that dot_rows multiplies with one weight row at a time: each block's codes are
+ * unpacked once into registers and multiplied with every row's x. */
+#define ROWS_MAX 8
+
+/* out[r] = dot(w_row, x row r) for R <= ROWS_MAX rows of x (``ldx`` floats apart, their block
+ * sums ``ldxs`` apart), each row's sum bitwise dot_row_fmt's for that row alone: the same
+ * products and additions in the same order (group_f32's per group of 8 blocks, then the tail),
+ * only the unpacking of the codes and scales shared between rows. Why: a sequence's logits then
+ * do not depend on how many rows share its step (speculative decoding's verify rows, batches). */
 INLINE void dot_rows_fmt(int fmt, const uint8_t *row, size_t rb, const float *x, size_t ldx,
                          const float *xsum, size_t ldxs, int K, int R, float *out) {
-    if (!is_16bit(fmt)) {
-        dot_rows_blocks(fmt, row, rb, x, ldx, xsum, ldxs, K, R, out);
+    if (is_16bit(fmt)) {
+        /* dot_row_fmt's 4 accumulators per row; 3 rows at a time keep theirs in registers */
+        for (int r0 = 0; r0 < R; r0 += 3) {
+            const int n = R - r0 < 3 ? R - r0 : 3;
+            __m256 a[3][4];
+            for (int r = 0; r < 3; r++)
+                for (int j = 0; j < 4; j++) a[r][j] = _mm256_setzero_ps();
+            for (int k = 0; k < K; k += 32)
+                for (int j = 0; j < 4; j++) {
+                    const __m256 w = load16(fmt, row + 2 * (size_t)(k + 8 * j));
+                    for (int r = 0; r < n; r++)
+                        a[r][j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (r0 + r) * ldx + k + 8 * j), a[r][j]);
+                }
+            for (int r = 0; r < n; r++)
+                out[r0 + r] = hsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]),
+                                                 _mm256_add_ps(a[r][2], a[r][3])));
+        }
         return;
     }
-    /* dot_row_fmt's 4 accumulators per row; 3 rows at a time keep theirs in registers */
-    for (int r0 = 0; r0 < R; r0 += 3) {
-        const int n = R - r0 < 3 ? R - r0 : 3;
-        __m256 a[3][4];
-        for (int r = 0; r < 3; r++)
-            for (int j = 0; j < 4; j++) a[r][j] = _mm256_setzero_ps();
-        for (int k = 0; k < K; k += 32)
-            for (int j = 0; j < 4; j++) {
-                const __m256 w = load16(fmt, row + 2 * (size_t)(k + 8 * j));
-                for (int r = 0; r < n; r++)
-                    a[r][j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (r0 + r) * ldx + k + 8 * j), a[r][j]);
+    const int nb = K / 32;
+    const uint8_t *meta = row_meta(fmt, row, nb);
+    __m256 acc[ROWS_MAX], v[ROWS_MAX][8];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        prefetch_group(row, rb, b, nb);
+        if (fmt == FMT_Q6_K) {  /* group_f32's Q6_K branch, row by row */
+            __m256 slo, shi;
+            float lo[8], hi[8];
+            q6k_group_scales(meta, b, &slo, &shi, lo, hi);
+            for (int j = 0; j < 8; j++) {
+                __m256 f[4];
+                block_codes_q6(fmt, row, nb, b + j, f, 0);
+                const __m256 sl = _mm256_set1_ps(lo[j]), sh = _mm256_set1_ps(hi[j]);
+                for (int r = 0; r < R; r++) {
+                    __m256 h;
+                    const __m256 l = codes_dot_ps(fmt, f, x + r * ldx + (size_t)(b + j) * 32, &h);
+                    v[r][j] = _mm256_fmadd_ps(h, sh, _mm256_mul_ps(l, sl));
+                }
             }
-        for (int r = 0; r < n; r++)
-            out[r0 + r] = hsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]),
-                                             _mm256_add_ps(a[r][2], a[r][3])));
+            for (int r = 0; r < R; r++) {
+                const float *halves = xsum + r * ldxs + nb + 2 * (size_t)b;
+                const __m256 off = _mm256_fmadd_ps(slo, _mm256_loadu_ps(halves),
+                                                   _mm256_mul_ps(shi, _mm256_loadu_ps(halves + 8)));
+                acc[r] = _mm256_add_ps(acc[r], _mm256_fmadd_ps(off, _mm256_set1_ps(-32.0f), reduce8_ps(v[r])));
+            }
+            continue;
+        }
+        for (int j = 0; j < 8; j++) {
+            __m256 f[4];
+            block_codes_q6(fmt, row, nb, b + j, f, 0);
+            for (int r = 0; r < R; r++)
+                v[r][j] = codes_dot_ps(fmt, f, x + r * ldx + (size_t)(b + j) * 32, NULL);
+        }
+        __m256 scale, off;
+        group_affine(fmt, meta, nb, b, &scale, &off);
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm256_fmadd_ps(reduce8_ps(v[r]), scale, acc[r]);
+            if (fmt != FMT_Q8_0)
+                acc[r] = _mm256_fmadd_ps(off, _mm256_loadu_ps(xsum + r * ldxs + b), acc[r]);
+        }
     }
+    float tail[ROWS_MAX];  /* the last nb % 8 blocks (none for the K-quants), one at a time */
+    for (int r = 0; r < R; r++) tail[r] = 0.0f;
+    for (; b < nb; b++) {
+        float s0, s1, off;
+        __m256 f[4];
+        block_affine(fmt, meta, nb, b, &s0, &s1, &off);
+        block_codes_q6(fmt, row, nb, b, f, 0);
+        for (int r = 0; r < R; r++)
+            tail[r] += hsum(codes_dot_ps(fmt, f, x + r * ldx + (size_t)b * 32, NULL)) * s0
+                     + off * xsum[r * ldxs + b];
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + tail[r];
 }
 
 /* dot_rows_fmt with the number of rows known at compile time (so each row's sums keep to
