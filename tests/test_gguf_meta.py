@@ -235,3 +235,17 @@ def test_metadata_end_refuses_a_cut_in_the_metadata(tmp_path: Path) -> None:
         cut.write_bytes(data[:size])
         with pytest.raises(GGUFError):
             metadata_end(cut)
+
+
+def test_a_string_array_is_decoded_when_read_and_bad_utf8_says_so(tmp_path: Path) -> None:
+    """The worker never reads the vocabulary: its strings are decoded on first use, and bytes
+    that are not UTF-8 give GGUFError then (not at open)."""
+    path = write_every_type(tmp_path / "all.gguf", tensors=False)
+    data = bytearray(path.read_bytes())
+    at = data.index("日本語".encode())
+    data[at] = 0xFF  # no longer UTF-8
+    path.write_bytes(bytes(data))
+    strings = GGUFMetadata.open(path).get("a.strings")
+    assert len(strings) == len(ARRAYS["a.strings"][0])
+    with pytest.raises(GGUFError, match="not UTF-8"):
+        list(strings)

@@ -20,12 +20,15 @@ import json
 import logging
 import signal
 import sys
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import trio
 from pydantic import ValidationError
 
 from trio_infer.settings import Settings, Wiring
+
+if TYPE_CHECKING:  # for annotations (trio is imported where it is used: spawn_own_worker says why)
+    import socket
+    import subprocess
 
 log = logging.getLogger("trio_infer")
 
@@ -81,22 +84,41 @@ def build_parser() -> argparse.ArgumentParser:
 # -- serve ----------------------------------------------------------------------------------------
 
 
+def spawn_own_worker(
+    settings: Settings, wiring: Wiring
+) -> "tuple[subprocess.Popen[bytes], socket.socket] | None":
+    """The batching worker of a front end that has one of its own (not a front end of
+    ``--api-workers``, nor ``--data-parallel``'s several), started now: ``_serve_main`` calls
+    this before it imports trio, and ``serve`` before it imports the web stack, so the
+    worker's imports (torch, about a second) and its load run on the other core meanwhile
+    (docs/architecture.md, "Startup")."""
+    if wiring.worker_address is not None or settings.data_parallel > 1:
+        return None
+    from trio_infer.runtime.spawn import spawn_worker
+
+    return spawn_worker(settings)
+
+
 async def serve(
-    settings: Settings, wiring: Wiring = Wiring(), *, task_status: Any = trio.TASK_STATUS_IGNORED
+    settings: Settings, wiring: Wiring = Wiring(),
+    spawned: "tuple[subprocess.Popen[bytes], socket.socket] | None" = None, *,
+    task_status: Any = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT, then shut down gracefully (see the module docstring).
-    ``wiring``: what a supervisor (``--api-workers``) hands one of its front ends."""
-    # The batching worker first, before this process imports the rest of the front end: its
-    # imports (torch) and the model's load run on the other core meanwhile (docs/architecture.md,
-    # "Startup"). The app takes it over and reaps it; one still open below was never used (the
-    # server could not start), and is killed at once.
+    ``wiring``: what a supervisor (``--api-workers``) hands one of its front ends; ``spawned``:
+    the worker :func:`spawn_own_worker` started (else it is started here)."""
+    import trio
+
     from trio_infer.runtime.transport import WorkerProcess
 
-    worker = None
-    if wiring.worker_address is None and settings.data_parallel == 1:
-        worker = await WorkerProcess.start(settings)
+    if spawned is None:
+        spawned = spawn_own_worker(settings, wiring)
+    # The app takes the worker over and reaps it; one still open below was never used (the
+    # server could not start), and is killed at once.
+    worker = WorkerProcess(*spawned) if spawned is not None else None
     try:
-        await _serve(settings, wiring, worker, task_status=task_status)
+        await _serve(settings, wiring, worker,
+                     task_status=task_status or trio.TASK_STATUS_IGNORED)
     finally:
         if worker is not None:
             await worker.aclose(exit_wait_s=0)
@@ -105,6 +127,7 @@ async def serve(
 async def _serve(
     settings: Settings, wiring: Wiring, worker: Any, *, task_status: Any
 ) -> None:
+    import trio
     from hypercorn.trio import serve as hypercorn_serve
 
     from trio_infer.app import create_app, drain
@@ -121,7 +144,7 @@ async def _serve(
         await drain(app, 0)  # if a second signal cut the grace period short
         shutdown.set()  # hypercorn stops accepting and closes the (now finished) connections
 
-    async def watch_signals(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def watch_signals(*, task_status: Any) -> None:
         # A front end of `serve --api-workers` hears only its supervisor (SIGTERM): a Ctrl-C
         # reaches the whole process group, and the supervisor forwards it once.
         supervised = wiring.supervised
@@ -141,7 +164,7 @@ async def _serve(
                     log.info("%s again: ending the running requests now", name)
                     grace.cancel()
 
-    async def run_server(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def run_server(*, task_status: Any) -> None:
         await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait, task_status=task_status)
         nursery.cancel_scope.cancel()  # stop watching signals
 
@@ -168,8 +191,11 @@ def _serve_main(args: argparse.Namespace) -> int:
 
         return run(settings, str(args.log_level))
     wiring = Wiring(listen_fd=args.listen_fd, worker_address=args.worker_address)
+    spawned = spawn_own_worker(settings, wiring)  # before trio's import: see its docstring
+    import trio
+
     try:
-        trio.run(serve, settings, wiring)
+        trio.run(serve, settings, wiring, spawned)
     except BaseExceptionGroup as group:
         from trio_infer.app import LoadFailed  # not before: serve() starts the worker first
 
@@ -200,6 +226,8 @@ async def generate(
     settings: Settings, prompt: str, max_tokens: int, temperature: float, seed: int | None
 ) -> dict[str, Any]:
     """One completion through the public library API (``open_engine``, the text stream)."""
+    import trio
+
     from trio_infer.wire import SamplingParams
     from trio_infer.runtime.client import open_engine
     from trio_infer.runtime.tokenizer import build_tokenizer
@@ -223,6 +251,8 @@ async def generate(
 
 
 def _generate_main(args: argparse.Namespace) -> int:
+    import trio
+
     settings = _settings(args, [n for n in Settings.model_fields])
     result = trio.run(generate, settings, args.prompt, args.max_tokens, args.temperature, args.seed)
     if args.json:

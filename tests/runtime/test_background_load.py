@@ -224,27 +224,28 @@ def test_a_missing_model_stops_the_server_without_a_traceback(tmp_path: Path) ->
     assert "Traceback" not in out.stderr
 
 
-# Run as ``python -c``: ``serve`` with WorkerProcess.start replaced by a probe that records which of
-# the front end's web modules were imported when the worker was started, then stops the process.
+# Run as ``python -c``: ``serve`` with spawn_worker replaced by a probe that records which of trio
+# and the front end's web modules were imported when the worker was started, then stops the process.
 _SPAWN_PROBE = """
 import sys
 from trio_infer import __main__ as cli
-from trio_infer.runtime import transport
+from trio_infer.runtime import spawn
 
-async def probe(settings, **kwargs):
-    print(sorted(m for m in ("hypercorn", "quart", "quart_trio", "trio_infer.app") if m in sys.modules))
+def probe(settings, **kwargs):
+    heavy = ("trio", "hypercorn", "quart", "quart_trio", "trio_infer.app")
+    print(sorted(m for m in heavy if m in sys.modules))
     sys.stdout.flush()
     raise SystemExit(0)
 
-transport.WorkerProcess.start = probe
+spawn.spawn_worker = probe
 cli.main(["serve", "--port", sys.argv[1]])
 """
 
 
-def test_serve_starts_its_worker_before_it_imports_the_web_stack(tmp_path: Path) -> None:
-    """The worker's imports (torch: over a second) run on the other core while the front end
-    imports hypercorn, quart and the app: started after them, the server would be healthy that
-    much later (docs/architecture.md, "Startup")."""
+def test_serve_starts_its_worker_before_it_imports_trio_and_the_web_stack(tmp_path: Path) -> None:
+    """The worker's imports (torch: about a second) run on the other core while the front end
+    imports trio, hypercorn, quart and the app: started after them, the server would be healthy
+    that much later (docs/architecture.md, "Startup")."""
     out = subprocess.run([sys.executable, "-c", _SPAWN_PROBE, str(free_port())],
                          capture_output=True, text=True, timeout=60,
                          env={**os.environ, "TRIO_INFER_CACHE_DIR": str(tmp_path)})

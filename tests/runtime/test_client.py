@@ -422,7 +422,7 @@ async def test_a_front_end_bug_is_not_taken_for_a_worker_death(autojump_clock, m
 def test_the_start_message_carries_the_settings_and_the_log_level_not_the_api_key() -> None:
     import logging
 
-    from trio_infer.runtime.transport import start_message
+    from trio_infer.runtime.spawn import start_message
 
     logger = logging.getLogger("trio_infer")
     level = logger.level

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
-import sys
+import subprocess
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, AsyncIterator
 
 import trio
 
-from trio_infer.settings import Settings, worker_environment
-from trio_infer.wire import Start, encode
+from trio_infer.runtime.spawn import spawn_worker
+from trio_infer.settings import Settings
 
 if TYPE_CHECKING:
     from trio_infer.engine.engine import Engine
@@ -33,30 +34,21 @@ log = logging.getLogger(__name__)
 
 # Seconds a worker gets to exit after its pipe closed before it is killed.
 _EXIT_WAIT_S = 5.0
-_SOCKET_BUFFER = 4 * 2**20
-
-
-def start_message(settings: Settings, log_level: str | None = None) -> Start:
-    """What a new worker is told first: the settings (less the API key) and the log level
-    (default: this process's, so ``serve --log-level`` reaches the worker)."""
-    if log_level is None:
-        log_level = logging.getLevelName(logging.getLogger("trio_infer").getEffectiveLevel())
-    return Start(settings.model_dump_json(exclude={"api_key"}), str(log_level).upper())
 
 
 class WorkerProcess:
-    """A batching worker process, started and told its settings, and the front end's end of its
-    socket pair (:attr:`stream`). :meth:`aclose` closes the pipe (the worker exits on EOF, at
-    once if it is still loading) and reaps it; it is idempotent.
+    """A batching worker process (started by :func:`~trio_infer.runtime.spawn.spawn_worker`,
+    already told its settings) and the front end's end of its socket pair, as a trio stream
+    (:attr:`stream`). :meth:`aclose` closes the pipe (the worker exits on EOF, at once if it is
+    still loading) and reaps it; it is idempotent.
 
-    Started on its own (:meth:`start`) rather than only inside :func:`open_worker_process` so
-    that ``serve`` can start it before it imports the rest of the front end: the worker's own
-    imports (torch, a second or more) then run on the other core while this process imports
-    hypercorn, quart and the app, and the server is healthy that much sooner."""
+    A process already started can be handed in (``serve`` starts its worker before it imports
+    trio: runtime/spawn.py says why); :meth:`start` starts one (the restarts, the supervisor's
+    shared worker, the data-parallel workers)."""
 
-    def __init__(self, process: trio.Process, stream: trio.SocketStream) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], sock: socket.socket) -> None:
         self.process = process
-        self.stream = stream
+        self.stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
         self._closed = False
 
     @classmethod
@@ -64,32 +56,9 @@ class WorkerProcess:
         cls, settings: Settings, *, log_level: str | None = None, listen: str | None = None,
         ports: int = 1,
     ) -> "WorkerProcess":
-        """Start ``python -m trio_infer.runtime.worker`` on one end of a socket pair and send it
-        :class:`~trio_infer.wire.Start`. With ``listen`` it is a shared worker that serves
-        ``ports`` front ends connecting to that Unix socket, and the pair is its control pipe."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        for s in (ours, theirs):
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
-        argv = [sys.executable, "-m", "trio_infer.runtime.worker", "--fd", str(theirs.fileno())]
-        if listen is not None:
-            argv += ["--listen", listen, "--ports", str(ports)]
-        try:
-            process = await trio.lowlevel.open_process(
-                argv, pass_fds=(theirs.fileno(),), env=worker_environment(settings))
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        worker = cls(process, trio.SocketStream(trio.socket.from_stdlib_socket(ours)))
-        log.info("batching worker started (pid %d)", process.pid)
-        try:
-            await worker.stream.send_all(encode([start_message(settings, log_level)]))
-        except BaseException:
-            await worker.aclose()
-            raise
-        return worker
+        """:func:`~trio_infer.runtime.spawn.spawn_worker` (a fork and exec: a few milliseconds of
+        this thread, as trio's own ``open_process`` spends them in another)."""
+        return cls(*spawn_worker(settings, log_level=log_level, listen=listen, ports=ports))
 
     async def aclose(self, exit_wait_s: float = _EXIT_WAIT_S) -> None:
         """Close the pipe and reap the worker, killing it if it has not exited ``exit_wait_s``
@@ -101,13 +70,28 @@ class WorkerProcess:
         with trio.CancelScope(shield=True):
             await self.stream.aclose()  # EOF: the worker exits
             with trio.move_on_after(exit_wait_s):
-                await process.wait()
+                await _wait(process)
             if process.returncode is None:
                 if exit_wait_s:
                     log.warning("the batching worker did not exit; killing it")
                 process.kill()
-                await process.wait()
+                await _wait(process)
             log.info("batching worker %d exited (%s)", process.pid, process.returncode)
+
+
+async def _wait(process: subprocess.Popen[bytes]) -> None:
+    """Wait for ``process`` to exit, without blocking trio: its pidfd (Linux) becomes readable
+    then; elsewhere a thread waits (abandoned if cancelled: the process is killed next)."""
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):
+        await trio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
+        return
+    try:
+        await trio.lowlevel.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
+    process.wait()
 
 
 @asynccontextmanager
