@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -18,7 +19,30 @@ def _cmdline(pid: int) -> str:
         return f.read().replace(b"\0", b" ").decode()
 
 
-def _start(tmp_path: Path) -> tuple[subprocess.Popen, str]:
+class _Output:
+    """The supervisor's output (its front ends' and worker's logs too), read as it comes: how a
+    test knows that each front end is ready, which /health cannot say (both answer on one
+    listening socket, and the kernel picks which accepts a connection)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream) -> None:  # type: ignore[no-untyped-def]
+        for line in stream:
+            self.lines.append(line)
+
+    def count(self, text: str) -> int:
+        return sum(text in line for line in list(self.lines))
+
+    def text(self) -> str:
+        """All of it, once the process has exited."""
+        self._reader.join(timeout=60)
+        return "".join(self.lines)
+
+
+def _start(tmp_path: Path) -> tuple[subprocess.Popen, str, _Output]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
@@ -27,12 +51,13 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, str]:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
     )
-    wait_for(lambda: health(url) == 200 or proc.poll() is not None, 120, "the server")
-    assert proc.poll() is None, proc.communicate()[0][-3000:]
-    # Each front end listens at once and answers 503 (loading) until its pipe to the worker is
-    # up: wait until several fresh connections in a row (spread by the kernel) find both ready.
-    wait_for(lambda: all(health(url) == 200 for _ in range(6)), 60, "both front ends ready")
-    return proc, url
+    output = _Output(proc)
+    # Each front end listens at once and answers 503 (loading) until it has its tokenizer and
+    # its pipe to the worker, then logs "serving".
+    wait_for(lambda: output.count("serving fake") == 2 or proc.poll() is not None, 120,
+             "both front ends ready")
+    assert proc.poll() is None, output.text()[-3000:]
+    return proc, url, output
 
 
 def _processes(supervisor: int) -> tuple[int, list[int]]:
@@ -43,38 +68,40 @@ def _processes(supervisor: int) -> tuple[int, list[int]]:
 
 
 def test_two_front_ends_share_one_worker_and_survive_its_death(tmp_path: Path) -> None:
-    proc, url = _start(tmp_path)
+    proc, url, output = _start(tmp_path)
     try:
         worker, front_ends = _processes(proc.pid)
         body = {"model": "fake", "prompt": "hello", "max_tokens": 5, "ignore_eos": True}
-        # Wait until both front ends have their pipe to the worker, then spread connections.
         for _ in range(40):
             r = httpx.post(url + "/v1/completions", json=body, timeout=30)  # a new connection each
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
 
         os.kill(worker, signal.SIGKILL)
         wait_for(lambda: health(url) == 503, 5, "503 while the worker is gone")
-        wait_for(lambda: all(health(url) == 200 for _ in range(6)), 60, "both front ends back")
+        # Each front end says so at every hello of a worker: twice at the start, twice again now.
+        wait_for(lambda: output.count("batching worker ready") == 4, 60, "both front ends back")
         restarted, same_front_ends = _processes(proc.pid)
         assert restarted != worker and same_front_ends == front_ends and not alive(worker)
         for _ in range(10):
             assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole group
-        output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, output[-3000:]
-    assert "front end connected on port 0" in output and "front end connected on port 1" in output
-    assert "restarting the batching worker (1 of at most" in output
+        proc.wait(timeout=60)
+    text = output.text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "front end connected on port 0" in text and "front end connected on port 1" in text
+    assert "restarting the batching worker (1 of at most" in text
     for pid in [restarted, *front_ends]:
         assert not alive(pid), f"{_cmdline(pid)} outlived its supervisor"
 
 
 def test_sigterm_to_the_supervisor_stops_everything(tmp_path: Path) -> None:
-    proc, url = _start(tmp_path)
+    proc, url, output = _start(tmp_path)
     worker, front_ends = _processes(proc.pid)
     proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
+    proc.wait(timeout=60)
+    text = output.text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
     for pid in [worker, *front_ends]:
         wait_for(lambda: not alive(pid), 10, f"{pid} to exit")
