@@ -156,3 +156,11 @@ def test_model_path_of_a_gguf_folder(tmp_path) -> None:
     with pytest.raises(SystemExit, match="neither"):
         resolve_checkpoint(argparse.Namespace(model=str(tmp_path / "nope"), shape=None,
                                               cache_dir=None))
+
+
+def test_a_llama_cpp_built_with_amx_is_refused_with_the_rebuild_command() -> None:
+    from trio_infer.bench import llamacpp
+
+    with pytest.raises(SystemExit, match="mno-amx-int8"):
+        llamacpp.refuse_amx("CPU : SSE3 = 1 | AVX512 = 1 | AMX_INT8 = 1 | OPENMP = 1 |")
+    llamacpp.refuse_amx("CPU : SSE3 = 1 | AVX512 = 1 | OPENMP = 1 |")  # no AMX: nothing said

@@ -49,6 +49,22 @@ def test_cache_layout_and_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert cmd[cmd.index("-c") + 1] == "4096" and cmd[cmd.index("--port") + 1] == "8123"
 
 
+def test_a_binary_built_with_other_flags_is_not_found(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(llamaserver.ENV_BINARY, raising=False)
+    binary = llamaserver.binary_path(tmp_path)
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    assert llamaserver.find_binary(tmp_path) is None  # no stamp: an older build, with AMX
+    stamp = binary.with_name("build-flags")
+    stamp.write_text("-DGGML_NATIVE=ON\n")
+    assert llamaserver.find_binary(tmp_path) is None
+    stamp.write_text("\n".join(llamaserver.CMAKE_FLAGS) + "\n")
+    assert llamaserver.find_binary(tmp_path) == binary
+    assert any("-mno-amx-int8" in flag for flag in llamaserver.CMAKE_FLAGS)
+
+
 def test_build_without_tools_says_what_is_missing(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(llamaserver.shutil, "which", lambda name: None)

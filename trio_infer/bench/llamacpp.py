@@ -45,6 +45,24 @@ def require() -> Any:
     return llama_cpp
 
 
+# How llama-cpp-python must be built on a CPU with AMX (see :func:`refuse_amx`).
+NO_AMX_BUILD = ('CMAKE_ARGS="-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8" '
+                ".venv/bin/pip install --force-reinstall --no-deps 'llama-cpp-python==0.3.36'")
+
+
+def refuse_amx(system_info: str) -> None:
+    """Stop, saying how to rebuild, when this llama.cpp was compiled with its AMX matrix product
+    (``AMX_INT8 = 1`` in its system info: ``-march=native`` on a CPU with AMX-INT8). In llama.cpp
+    0.3.36 that product segfaults the process at its first forward (llama.cpp issue 20824):
+    the bench would die with no word of why. The quantizer never multiplies and is not
+    affected. (``bench llama-server`` builds its binary without AMX for the same reason.)"""
+    if "AMX_INT8 = 1" in system_info:
+        raise SystemExit(
+            "error: this llama-cpp-python was built with llama.cpp's AMX matrix product, which "
+            "crashes at the first forward on this CPU (llama.cpp issue 20824); rebuild it "
+            "without: " + NO_AMX_BUILD)
+
+
 @dataclass
 class _Slot:
     index: int
@@ -67,6 +85,7 @@ class LlamaCpp:
         lc = require()
         self.lc = lc
         lc.llama_backend_init()
+        refuse_amx(lc.llama_print_system_info().decode(errors="replace"))
         lc.llama_log_set(_quiet_log(), ctypes.c_void_p())
         mparams = lc.llama_model_default_params()
         self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)

@@ -3,14 +3,15 @@
 The binary is built from the llama.cpp that the llama-cpp-python sdist vendors
 (``vendor/llama.cpp``), the same llama.cpp as the ``llama.cpp`` baseline of ``offline``, so the
 two baselines agree. Only the ``llama-server`` target is built (no tests, examples or other
-tools), Release, ``-DGGML_NATIVE=ON`` (this machine's instruction set), static libraries, no web
-UI download, no OpenSSL, with ninja. Everything lives under the cache
+tools), Release, ``-DGGML_NATIVE=ON`` (this machine's instruction set, less AMX: see
+:data:`CMAKE_FLAGS`), static libraries, no web UI download, no OpenSSL, with ninja. Everything lives under the cache
 (``~/.cache/trio-infer/llama-server/<version>/``):
 
 - ``llama_cpp_python-<version>.tar.gz``: the sdist (``pip download --no-deps --no-binary :all:``,
   the only network access, once);
 - ``src/``: its ``vendor/llama.cpp``; ``build/``: the ninja tree; ``build.log``;
-- ``bin/llama-server``: the binary the bench runs.
+- ``bin/llama-server``: the binary the bench runs, and ``bin/build-flags``, the flags it was
+  built with (a binary built with other flags is built again).
 
 ``python -m trio_infer.bench llama-server --build`` builds it (about 10 minutes on 2 cores) and
 prints its path; the benches that need it build it on first use, saying so. Tests never build it:
@@ -45,7 +46,17 @@ CMAKE_FLAGS = (
     "-DLLAMA_USE_PREBUILT_UI=OFF",  # else it downloads the web UI at build time
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_CURL=OFF",
+    # This llama.cpp's AMX matrix product (x86 CPUs with AMX-INT8: Sapphire Rapids and later)
+    # crashes the server on its first forward, at load (a segfault in ggml_backend_amx_mul_mat;
+    # llama.cpp issue 20824, closed without a fix). GGML_NATIVE's -march=native turns it on
+    # wherever the CPU has AMX; the explicit -mno- flags win over -march's, so AMX is left out
+    # and everything else of the native build stays (AVX-512, VNNI, the CPU repacks). No effect
+    # on a CPU without AMX.
+    "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
 )
+# Written next to the binary: a binary built with other flags is built again.
+_FLAGS_STAMP = "\n".join(CMAKE_FLAGS) + "\n"
 
 
 class BuildError(RuntimeError):
@@ -71,7 +82,14 @@ def find_binary(cache_dir: Path | None = None) -> Path | None:
         path = Path(env).expanduser()
         return path if path.is_file() and os.access(path, os.X_OK) else None
     path = binary_path(cache_dir)
-    return path if path.is_file() and os.access(path, os.X_OK) else None
+    return path if _is_current(path) else None
+
+
+def _is_current(path: Path) -> bool:
+    """The cached binary exists and was built with today's :data:`CMAKE_FLAGS`."""
+    stamp = path.with_name("build-flags")
+    return path.is_file() and os.access(path, os.X_OK) and stamp.is_file() \
+        and stamp.read_text() == _FLAGS_STAMP
 
 
 def missing_tools() -> list[str]:
@@ -136,7 +154,7 @@ def build(cache_dir: Path | None = None, version: str = VERSION, jobs: int | Non
     """Build ``llama-server`` into the cache (if it is not there yet) and return its path."""
     root = cache_root(cache_dir, version)
     out = root / "bin" / "llama-server"
-    if out.is_file():
+    if _is_current(out):
         return out
     missing = missing_tools()
     if missing:
@@ -174,6 +192,7 @@ def build(cache_dir: Path | None = None, version: str = VERSION, jobs: int | Non
     tmp = out.with_name(out.name + ".tmp")
     shutil.copy2(built, tmp)
     tmp.rename(out)  # atomic: a half-copied binary is never found
+    out.with_name("build-flags").write_text(_FLAGS_STAMP)
     _say(f"llama-server: built in {time.monotonic() - t0:.0f} s: {out}")
     return out
 
