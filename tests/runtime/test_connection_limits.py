@@ -38,16 +38,13 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")  # one for both servers: the second starts warm
 
 
-@pytest.fixture(scope="module")
-def url(cache_dir: Path) -> Iterator[str]:
+def _serving(cache_dir: Path, *flags: str) -> Iterator[str]:
+    """``serve --model fake`` with ``flags`` on a free port, until the generator is closed."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trio_infer", "serve", "--model", "fake", "--fake-step-ms", "5",
-         "--port", str(port), "--cache-dir", str(cache_dir),
-         "--keep-alive-timeout-s", str(KEEP_ALIVE_S), "--body-timeout-s", str(BODY_TIMEOUT_S),
-         "--max-header-bytes", str(MAX_HEADER_BYTES), "--max-connections", str(MAX_CONNECTIONS),
-         "--shutdown-grace-s", "0"],
+        [sys.executable, "-m", "trio_infer", "serve", "--model", "fake", "--port", str(port),
+         "--cache-dir", str(cache_dir), "--shutdown-grace-s", "0", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -59,6 +56,14 @@ def url(cache_dir: Path) -> Iterator[str]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def url(cache_dir: Path) -> Iterator[str]:
+    yield from _serving(
+        cache_dir, "--fake-step-ms", "5", "--keep-alive-timeout-s", str(KEEP_ALIVE_S),
+        "--body-timeout-s", str(BODY_TIMEOUT_S), "--max-header-bytes", str(MAX_HEADER_BYTES),
+        "--max-connections", str(MAX_CONNECTIONS))
 
 
 def connect(url: str) -> socket.socket:
@@ -290,23 +295,9 @@ PATIENT_MAX_CONNECTIONS = 4
 
 @pytest.fixture(scope="module")
 def patient_url(cache_dir: Path) -> Iterator[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trio_infer", "serve", "--model", "fake", "--port", str(port),
-         "--cache-dir", str(cache_dir), "--keep-alive-timeout-s", str(PATIENT_KEEP_ALIVE_S),
-         "--max-connections", str(PATIENT_MAX_CONNECTIONS), "--shutdown-grace-s", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        wait_for(lambda: health(url) == 200 or proc.poll() is not None, 120, "the server")
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    yield from _serving(
+        cache_dir, "--keep-alive-timeout-s", str(PATIENT_KEEP_ALIVE_S),
+        "--max-connections", str(PATIENT_MAX_CONNECTIONS))
 
 
 def _health_on_a_new_connection(url: str, deadline: float) -> socket.socket:
