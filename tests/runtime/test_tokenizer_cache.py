@@ -114,7 +114,7 @@ def test_an_entry_another_process_stored_first_wins(tmp_path: Path, converter: l
     model, cache = gguf(tmp_path, gguf_bytes(os.urandom(64).hex().encode())), tmp_path / "cache"
     load_gguf_tokenizer_cached(model, cache)
     entry = cache / "tokenizers" / cache_key(model)
-    tokenizer_cache._store(AutoTokenizer.from_pretrained(str(entry)), entry)
+    tokenizer_cache.store(entry, AutoTokenizer.from_pretrained(str(entry)).save_pretrained)
     assert [p.name for p in (cache / "tokenizers").iterdir()] == [entry.name]
 
 
@@ -144,3 +144,19 @@ def test_the_default_models_cached_tokenizer_is_the_converted_one(tmp_path: Path
         assert tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
             converted.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         assert len(tokenizer) == len(converted)
+
+
+def test_a_stored_folder_appears_only_whole(tmp_path: Path) -> None:
+    """The fake model's tokenizer is stored this way too: with --api-workers, two front ends
+    and the worker start at once on a fresh cache, and one read another's half-written
+    tokenizer_config.json (a JSON error that stopped the server)."""
+    entry = tmp_path / "cache" / "fake-tokenizer"
+
+    def save(folder: str) -> None:
+        (Path(folder) / "tokenizer_config.json").write_text("{}")
+        assert not entry.exists()  # another process looking now finds nothing, not half
+        (Path(folder) / "tokenizer.json").write_text("{}")
+
+    tokenizer_cache.store(entry, save)
+    assert sorted(p.name for p in entry.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    assert [p.name for p in entry.parent.iterdir()] == ["fake-tokenizer"]  # no temporary left

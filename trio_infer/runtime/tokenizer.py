@@ -24,15 +24,16 @@ def build_tokenizer(settings: Settings) -> Any:
     grammars of its first constrained request, and for the fake model's vocabulary). A GGUF
     file's is converted once and then read from ``cache_dir/tokenizers``
     (runtime/tokenizer_cache.py)."""
+    from trio_infer.runtime.tokenizer_cache import load_gguf_tokenizer_cached, store
+
     if settings.model == FAKE_MODEL:
         tok_dir = settings.cache_dir / "fake-tokenizer"
-        if not (tok_dir / "tokenizer.json").exists():
+        if not tok_dir.is_dir():  # trained once, stored whole (several processes may race)
             from trio_infer.models.synthetic import build_tokenizer as build_fake_tokenizer
 
-            build_fake_tokenizer(tok_dir)
+            store(tok_dir, build_fake_tokenizer)
         return load_saved_tokenizer(tok_dir)
     from trio_infer.models.paths import find_gguf, resolve_model_path
-    from trio_infer.runtime.tokenizer_cache import load_gguf_tokenizer_cached
 
     path = resolve_model_path(settings.model, settings.cache_dir)
     gguf_file = find_gguf(path)

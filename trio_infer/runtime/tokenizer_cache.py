@@ -29,7 +29,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def load_gguf_tokenizer_cached(gguf_file: Path, cache_dir: Path) -> Any:
         log.info("converting the tokenizer of %s (cached for later starts in %s)", gguf_file, entry)
         tokenizer = load_gguf_tokenizer(gguf_file)
         try:
-            _store(tokenizer, entry)
+            store(entry, tokenizer.save_pretrained)
         except OSError as exc:  # a read-only cache: serve anyway, convert again next time
             log.warning("could not cache the tokenizer in %s: %s", entry, exc)
             return tokenizer
@@ -73,11 +73,15 @@ def load_gguf_tokenizer(gguf_file: Path) -> Any:
     return convert(gguf_file)
 
 
-def _store(tokenizer: Any, entry: Path) -> None:
+def store(entry: Path, save: Callable[[str], Any]) -> None:
+    """Make the folder ``entry`` with ``save(folder)`` so that no process ever sees it half
+    written: ``save`` writes into a temporary folder beside it, renamed into place; when several
+    processes store the same entry at once (a first start: the worker and each front end), the
+    first rename wins and the others drop their copies."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}-")
     try:
-        tokenizer.save_pretrained(tmp)
+        save(tmp)
         os.rename(tmp, entry)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
