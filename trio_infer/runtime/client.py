@@ -358,9 +358,12 @@ async def open_engine(
         connect: Connect = lambda: open_worker_socket(address, timeout)  # noqa: E731
         restart = True
     elif engine is None:
-        unused = [started] if started is not None else []
-        connect = lambda: open_worker_process(  # noqa: E731
-            settings, started=unused.pop() if unused else None)
+        def connect_own() -> AbstractAsyncContextManager[Connection]:
+            nonlocal started  # the worker already started, if any, is the first connection's
+            first, started = started, None
+            return open_worker_process(settings, started=first)
+
+        connect = connect_own
         restart = True
     else:
         in_thread = not is_instant(engine)

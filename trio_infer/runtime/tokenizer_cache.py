@@ -84,6 +84,7 @@ def store(entry: Path, save: Callable[[str], Any]) -> None:
         save(tmp)
         os.rename(tmp, entry)
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
         if not entry.is_dir():  # else another process stored it first: theirs is as good
             raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # our copy, unless it was renamed into place
