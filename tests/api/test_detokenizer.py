@@ -134,7 +134,30 @@ def test_backend_fast_path_gives_the_wrappers_deltas(request, kind, text) -> Non
     fast = IncrementalDetokenizer(tok, ids[:2])
     slow = IncrementalDetokenizer(tok, ids[:2])
     assert fast._backend is not None
-    slow._backend = None  # through tokenizer.decode
+    slow._backend, slow._bytewise = None, False  # through tokenizer.decode, window by window
     for i in range(2, len(ids)):
         assert fast.add(ids[i : i + 1]) == slow.add(ids[i : i + 1])
     assert fast.flush() == slow.flush()
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), skip=st.booleans())
+def test_the_byte_level_shortcut_gives_the_windows_deltas(byte_level, data, skip) -> None:
+    """Any ids of the vocabulary (special tokens, lone bytes of a character, invalid runs) one at
+    a time: the per-token shortcut of a byte-level decoder says exactly what the window says."""
+    tok = byte_level
+    vocab = len(tok)
+    ids = data.draw(st.lists(st.integers(0, vocab - 1), max_size=24), label="ids")
+    prompt = data.draw(st.lists(st.integers(0, vocab - 1), max_size=4), label="prompt")
+    fast = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    slow = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    assert fast._bytewise
+    slow._bytewise = False
+    for i in ids:
+        assert fast.add([i]) == slow.add([i])
+    assert fast.flush() == slow.flush()
+
+
+def test_the_shortcut_is_taken_only_for_a_byte_level_decoder(byte_level, sentencepiece_like) -> None:
+    assert IncrementalDetokenizer(byte_level)._bytewise
+    assert not IncrementalDetokenizer(sentencepiece_like)._bytewise

@@ -60,6 +60,16 @@ def _backend_decode(tokenizer: Any) -> Any:
     return backend.decode
 
 
+def _byte_level(tokenizer: Any) -> bool:
+    """Whether the tokenizer's decoder is byte-level alone (GPT-2, Llama 3, Qwen, SmolLM2): its
+    text of a run of tokens is their bytes joined and decoded, so where a run's bytes end on a
+    character boundary the run's text is the texts of its parts joined (no leading-space rule,
+    no clean-up)."""
+    from tokenizers import decoders
+
+    return type(getattr(tokenizer.backend_tokenizer, "decoder", None)) is decoders.ByteLevel
+
+
 def encoder(tokenizer: Any) -> Any:
     """``text -> ids`` as ``tokenizer.encode(text, add_special_tokens=False)`` gives them; for a
     plain transformers fast tokenizer, the ``tokenizers`` backend's own ``encode`` (the same ids
@@ -96,6 +106,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._backend = _backend_decode(tokenizer)
+        self._bytewise = self._backend is not None and _byte_level(tokenizer)
         # The window starts a few tokens before the end of the prompt, at a token that begins a
         # character (a window starting inside one would decode its first bytes as U+FFFD, and
         # byte-fallback decoders then garble the whole byte run, new bytes included).
@@ -119,6 +130,17 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the text that is now final (possibly empty)."""
+        if self._bytewise and len(token_ids) == 1 and self._read == len(self._ids):
+            # The usual token of a byte-level tokenizer: nothing held, and the token is whole
+            # characters. Its text is then exactly what the window's decode would add (bytes
+            # join), and the window becomes the token alone, as _commit would leave it: one
+            # decode of one token instead of two of the window and the Python around them
+            # (run for every streamed token).
+            piece = self._backend(token_ids, skip_special_tokens=self._skip_special)
+            if REPLACEMENT_CHAR not in piece and REPLACEMENT_CHAR not in self._prefix_text:
+                self._ids = list(token_ids)
+                self._prefix, self._read, self._prefix_text = 0, 1, piece
+                return piece
         self._ids.extend(token_ids)
         return self._advance(final=False)
 
