@@ -230,10 +230,10 @@ async def generate(
 
     from trio_infer.wire import SamplingParams
     from trio_infer.runtime.client import open_engine
-    from trio_infer.runtime.tokenizer import build_tokenizer
+    from trio_infer.runtime.tokenizer import build_served_tokenizer
     from trio_infer.runtime.text_stream import open_text_stream
 
-    tokenizer = await trio.to_thread.run_sync(build_tokenizer, settings)
+    tokenizer = await trio.to_thread.run_sync(build_served_tokenizer, settings)
     prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=True))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     async with open_engine(settings) as engine:

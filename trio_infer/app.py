@@ -142,16 +142,16 @@ async def load_and_serve(
     load got. Raises :class:`LoadFailed` (after logging why) if either cannot be loaded.
 
     The two overlap: the worker's imports and model load take seconds of one process, the
-    tokenizer (transformers' import, the file's hash for the cache key, the cached tokenizer)
-    a second or more of this one; one after the other, the start would take their sum."""
+    tokenizer (the file's hash for the cache key, the cached tokenizer)
+    a fraction of a second of this one; one after the other, the start would take their sum."""
     settings = state.settings
     loaded: list[Any] = []
 
     async def load_tokenizer() -> None:
-        from trio_infer.runtime.tokenizer import build_tokenizer
+        from trio_infer.runtime.tokenizer import build_served_tokenizer
 
         # Abandoned on cancellation: a shutdown mid-load need not wait for a conversion.
-        loaded.append(await trio.to_thread.run_sync(build_tokenizer, settings,
+        loaded.append(await trio.to_thread.run_sync(build_served_tokenizer, settings,
                                                     abandon_on_cancel=True))
 
     try:

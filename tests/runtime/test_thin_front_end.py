@@ -1,8 +1,9 @@
-"""The front end never imports torch (nor transformers' model code): a real server on the default
-model, after startup and a streamed chat request, holds neither in its ``sys.modules``.
+"""The front end never imports torch nor transformers: a real server on the default model, after
+startup and a streamed chat request, holds neither in its ``sys.modules``.
 
 The process boundary is a module boundary (``trio_infer/wire.py``): what crosses it is plain
-msgspec structs, and the tokenizer is loaded without ``AutoTokenizer`` (which imports torch). The
+msgspec structs, and the tokenizer is the thin one (``runtime/thin_tokenizer.py``: the
+``tokenizers`` library and jinja2), loaded from the GGUF tokenizer cache. The
 front end's RSS is reported (not asserted: it depends on the allocator and the machine);
 docs/architecture.md gives the measured figure.
 """
@@ -60,8 +61,8 @@ def _rss_kb(pid: int) -> int:
 def test_the_front_end_imports_neither_torch_nor_transformers_models(tmp_path: Path) -> None:
     from trio_infer.runtime.tokenizer_cache import load_gguf_tokenizer_cached
 
-    # The first start of a machine converts the GGUF tokenizer once (that imports torch); the
-    # claim is about every start after it.
+    # The first start of a machine converts the GGUF tokenizer once (that imports torch and
+    # transformers); the claim is about every start after it.
     load_gguf_tokenizer_cached(SMOLLM2, default_cache_dir())
     report = tmp_path / "front-end.json"
     port = _free_port()
@@ -107,5 +108,7 @@ def test_the_front_end_imports_neither_torch_nor_transformers_models(tmp_path: P
                    if m.startswith(("transformers.models.", "transformers.modeling",
                                     "trio_infer.engine", "trio_infer.models.loader")))
     assert not heavy, f"the front end imported model code: {heavy[:10]}"
+    transformers = sorted(m for m in modules if m == "transformers" or m.startswith("transformers."))
+    assert not transformers, f"the front end imported transformers: {transformers[:10]}"
     print(f"front end RSS: {serving_rss_kb / 1024:.0f} MB while serving, "
           f"{got['rss_kb'] / 1024:.0f} MB at exit, peak {got['peak_rss_kb'] / 1024:.0f} MB")

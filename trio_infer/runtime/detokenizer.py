@@ -17,14 +17,16 @@ tokens after it wait for the rest of their character. The state is a few integer
 tokens of one request, so it lives and dies with the request's own task (gap G3).
 
 The tokenizer is anything with Hugging Face's ``decode(ids, skip_special_tokens=...,
-clean_up_tokenization_spaces=...)``. For a plain transformers fast tokenizer, whose ``decode``
-with ``clean_up_tokenization_spaces=False`` is exactly its ``tokenizers`` backend's ``decode``, the
+clean_up_tokenization_spaces=...)``. For a plain transformers fast tokenizer or the front end's
+:class:`~trio_infer.runtime.thin_tokenizer.ThinTokenizer`, whose ``decode`` with
+``clean_up_tokenization_spaces=False`` is exactly its ``tokenizers`` backend's ``decode``, the
 backend is called directly: the same text without the Python wrapper (about 4x faster per call, and
 this runs twice per streamed token).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Protocol, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -43,19 +45,22 @@ class Decoder(Protocol):
 
 def _backend_decode(tokenizer: Any) -> Any:
     """The ``tokenizers.Tokenizer.decode`` that ``tokenizer.decode`` wraps, or None when the
-    wrapper may do more than call it (another class, or one that overrides ``_decode``)."""
+    wrapper may do more than call it (another class, or one that overrides ``decode``)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
-    try:
-        from tokenizers import Tokenizer
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:
+    from tokenizers import Tokenizer
+
+    if not isinstance(backend, Tokenizer):
         return None
     cls = type(tokenizer)
-    if not isinstance(backend, Tokenizer) or not isinstance(tokenizer, TokenizersBackend):
+    thin = _thin_class()
+    if isinstance(tokenizer, thin):
+        return backend.decode if cls.decode is thin.decode else None
+    fast = _tokenizers_backend_class()
+    if fast is None or not isinstance(tokenizer, fast):
         return None
-    if cls._decode is not TokenizersBackend._decode or cls.decode is not TokenizersBackend.decode:
+    if cls._decode is not fast._decode or cls.decode is not fast.decode:
         return None
     return backend.decode
 
@@ -72,21 +77,30 @@ def _byte_level(tokenizer: Any) -> bool:
 
 def encoder(tokenizer: Any) -> Any:
     """``text -> ids`` as ``tokenizer.encode(text, add_special_tokens=False)`` gives them; for a
-    plain transformers fast tokenizer, the ``tokenizers`` backend's own ``encode`` (the same ids
-    without the wrapper's batch encoding objects: a few times cheaper, once per request)."""
-    if _backend_decode(tokenizer) is not None and (
-        type(tokenizer).encode is _tokenizers_backend_class().encode
-        and type(tokenizer)._encode_plus is _tokenizers_backend_class()._encode_plus
-    ):
-        backend = tokenizer.backend_tokenizer
-        return lambda text: backend.encode(text, add_special_tokens=False).ids
+    plain transformers fast tokenizer or a :class:`ThinTokenizer`, the ``tokenizers`` backend's
+    own ``encode`` (the same ids without the wrapper's batch encoding objects: a few times
+    cheaper, once per request)."""
+    if _backend_decode(tokenizer) is not None:
+        cls, thin, fast = type(tokenizer), _thin_class(), _tokenizers_backend_class()
+        plain = (cls.encode is thin.encode if isinstance(tokenizer, thin)
+                 else cls.encode is fast.encode and cls._encode_plus is fast._encode_plus)
+        if plain:
+            backend = tokenizer.backend_tokenizer
+            return lambda text: backend.encode(text, add_special_tokens=False).ids
     return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _tokenizers_backend_class() -> Any:
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+def _thin_class() -> Any:
+    from trio_infer.runtime.thin_tokenizer import ThinTokenizer
 
-    return TokenizersBackend
+    return ThinTokenizer
+
+
+def _tokenizers_backend_class() -> Any:
+    """transformers' ``TokenizersBackend``, or None when transformers is not imported (then no
+    tokenizer is one: the front end never imports it just to ask)."""
+    module = sys.modules.get("transformers.tokenization_utils_tokenizers")
+    return None if module is None else module.TokenizersBackend
 
 
 class IncrementalDetokenizer:

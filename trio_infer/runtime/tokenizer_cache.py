@@ -36,21 +36,23 @@ log = logging.getLogger(__name__)
 
 def cache_key(gguf_file: Path) -> str:
     """The hash of the file's metadata (its header and key/values), with the converting
-    transformers version."""
-    import transformers
+    transformers version (read from its package metadata: importing it takes ~0.8 s and ~45 MB,
+    which the front end never otherwise pays)."""
+    from importlib.metadata import version
 
     from trio_infer.models.gguf_header import metadata_end
 
     end = metadata_end(gguf_file)
     with open(gguf_file, "rb") as f:
         digest = hashlib.blake2b(f.read(end), digest_size=20)
-    digest.update(b"\0transformers " + transformers.__version__.encode())
+    digest.update(b"\0transformers " + version("transformers").encode())
     return digest.hexdigest()
 
 
-def load_gguf_tokenizer_cached(gguf_file: Path, cache_dir: Path) -> Any:
+def load_gguf_tokenizer_cached(gguf_file: Path, cache_dir: Path, *, thin: bool = False) -> Any:
     """The tokenizer of ``gguf_file``, from ``cache_dir`` (its ``tokenizers`` folder) when it was
-    converted before, else converted now and stored there."""
+    converted before, else converted now and stored there (``thin``: see
+    ``runtime/tokenizer.py: load_saved_tokenizer``)."""
     from trio_infer.runtime.tokenizer import load_saved_tokenizer
 
     entry = cache_dir / "tokenizers" / cache_key(gguf_file)
@@ -62,7 +64,7 @@ def load_gguf_tokenizer_cached(gguf_file: Path, cache_dir: Path) -> Any:
         except OSError as exc:  # a read-only cache: serve anyway, convert again next time
             log.warning("could not cache the tokenizer in %s: %s", entry, exc)
             return tokenizer
-    return load_saved_tokenizer(entry)
+    return load_saved_tokenizer(entry, thin=thin)
 
 
 def load_gguf_tokenizer(gguf_file: Path) -> Any:
