@@ -21,7 +21,7 @@ clean_up_tokenization_spaces=...)``. For a plain transformers fast tokenizer or 
 :class:`~trio_infer.runtime.thin_tokenizer.ThinTokenizer`, whose ``decode`` with
 ``clean_up_tokenization_spaces=False`` is exactly its ``tokenizers`` backend's ``decode``, the
 backend is called directly: the same text without the Python wrapper (about 4x faster per call, and
-this runs twice per streamed token).
+this runs for every streamed token).
 """
 
 from __future__ import annotations
@@ -86,6 +86,9 @@ def encoder(tokenizer: Any) -> Any:
                  else cls.encode is fast.encode and cls._encode_plus is fast._encode_plus)
         if plain:
             backend = tokenizer.backend_tokenizer
+            fast_batch = getattr(backend, "encode_batch_fast", None)  # tokenizers >= 0.21
+            if fast_batch is not None:  # no character offsets computed: ~20% cheaper
+                return lambda text: fast_batch([text], add_special_tokens=False)[0].ids
             return lambda text: backend.encode(text, add_special_tokens=False).ids
     return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
 
