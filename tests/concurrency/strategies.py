@@ -150,7 +150,7 @@ def scenarios(draw: st.DrawFn, max_requests: int = 24, max_n: int = 3) -> Scenar
     return Scenario(
         engine=shape,
         requests=tuple(reqs),
-        channel_capacity=draw(st.integers(1, 4)),
+        channel_capacity=draw(st.integers(1, 8)),
         stall_timeout_s=float(draw(st.integers(1, 30))),
         max_waiting=sometimes(draw, st.integers(1, 8), 256, one_in=8),
         fail_steps=sometimes(
@@ -221,7 +221,7 @@ def http_scenarios(draw: st.DrawFn, max_requests: int = 8) -> HttpScenario:
     return HttpScenario(
         engine=shape,
         requests=tuple(draw(st.lists(http_requests(shape), min_size=1, max_size=max_requests))),
-        channel_capacity=draw(st.integers(1, 4)),
+        channel_capacity=draw(st.integers(1, 8)),
         stall_timeout_s=float(draw(st.integers(1, 30))),
         max_waiting=sometimes(draw, st.integers(1, 8), 256, one_in=8),
         fail_steps=sometimes(

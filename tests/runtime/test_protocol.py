@@ -86,6 +86,37 @@ def test_an_output_without_a_credit_is_refused() -> None:
         router.deliver([out], [], RequestFailed)
 
 
+def test_credits_go_back_a_quarter_of_the_window_at_a_time_and_at_once_when_low() -> None:
+    """One credit message for several outputs taken; but never while the worker holds fewer
+    than a quarter of the window (a reader that keeps up must not run it dry)."""
+    router = Router(Metrics(), clock=Clock())
+    session = router.open(1, [[5]], [SamplingParams()], credits=8)  # a quarter: 2
+    router.data_to_send()  # the Add
+
+    def out() -> RequestOutput:
+        return RequestOutput((1, 0), [3], None, None, None, 1, 1)
+
+    def read_one() -> list[object]:
+        router.deliver([out()], [], RequestFailed)
+        session.take([session.outputs.receive_nowait()])
+        return FrameDecoder(ToWorker).feed(router.data_to_send())
+
+    assert read_one() == [] and session.credits(0) == 7  # owed 1: held back
+    assert read_one() == [Credit((1, 0), 2)] and session.credits(0) == 8
+    router.deliver([out()] * 7, [], RequestFailed)  # the worker holds 1: fewer than a quarter
+    session.take([session.outputs.receive_nowait()])
+    assert FrameDecoder(ToWorker).feed(router.data_to_send()) == [Credit((1, 0), 1)]
+    assert session.credits(0) == 2
+    for _ in range(5):  # the reader takes 5 of the 6 left: 2 + 2 go back, 1 is held back
+        session.take([session.outputs.receive_nowait()])
+    assert FrameDecoder(ToWorker).feed(router.data_to_send()) == [Credit((1, 0), 4)]
+    assert session.credits(0) == 6
+    # The worker spends them; the one owed goes back before it would run dry, not after.
+    router.deliver([out()] * 5, [], RequestFailed)
+    assert FrameDecoder(ToWorker).feed(router.data_to_send()) == [Credit((1, 0), 1)]
+    assert session.credits(0) == 2 and session.paused_since is None
+
+
 def test_a_session_owns_its_uids_credits_and_pause() -> None:
     clock = Clock()
     router = Router(Metrics(), clock=clock)
@@ -153,7 +184,7 @@ op = st.one_of(
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
-@given(ops=st.lists(op, max_size=80), credits=st.integers(1, 3), num_pages=st.integers(4, 24))
+@given(ops=st.lists(op, max_size=80), credits=st.integers(1, 9), num_pages=st.integers(4, 24))
 def test_any_interleaving_keeps_the_bound_and_ends_every_uid_once(ops, credits, num_pages) -> None:
     model = FakeModel(vocab_size=VOCAB, eos_token_id=0)
     engine = Engine(model, EngineConfig(page_size=2, num_pages=num_pages, max_running=4,

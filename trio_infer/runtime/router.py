@@ -10,10 +10,12 @@ output or failure for a uid that is not live ended here while it was on its way,
 
 **Credits bound every uid by construction.** A sequence starts with ``credits`` credits; the
 worker emits an output only against a credit and pauses a sequence that has none left (its KV
-cache stays); the front end returns a credit for every output its reader takes, batched into the
-next frame. So the outputs of a uid that exist anywhere (in the worker's send buffer, in the pipe,
-in the request's channel) never exceed its initial credits, whatever the reader does, and nothing
-is ever dropped. A session out of credits for ``stall_timeout_s`` (its reader left them untaken
+cache stays); the front end returns a credit for every output its reader takes (a session gives
+them back a quarter of its window at a time, and at once when the worker holds fewer than that),
+batched into the next frame. So the outputs of a uid that exist anywhere (in the worker's send
+buffer, in the pipe, in the request's channel) never exceed its initial credits, whatever the
+reader does, and nothing is ever dropped. A session out of credits for ``stall_timeout_s`` (its
+reader left them untaken
 that long) is the front end's to abort: :meth:`Router.oldest_paused` says which and since when.
 
 **The queue.** A sequence is *waiting* from its ``Add`` until the worker first schedules it
@@ -207,8 +209,8 @@ class Router:
     def resumed(self, session: Session) -> None:
         self._paused.pop(session, None)
 
-    def credit(self, uid: Uid) -> None:
-        self._returned[uid] = self._returned.get(uid, 0) + 1
+    def credit(self, uid: Uid, n: int = 1) -> None:
+        self._returned[uid] = self._returned.get(uid, 0) + n
         self.has_data.set()
 
     def abort(self, uid: Uid) -> None:

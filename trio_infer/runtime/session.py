@@ -52,6 +52,12 @@ class Session:
         self.paused_since: float | None = None  # a live choice has no credit left since then
         self._router = router
         self._credits: dict[int, int] = dict.fromkeys(range(num_choices), credits)
+        # Credits the reader freed and the worker has not been given back yet: they go back a
+        # quarter of the window at a time (one message for several outputs), and at once when
+        # the worker holds fewer than that, so it never runs dry (pauses) on credits the reader
+        # already freed: a choice owed credits always has ``_batch`` at least.
+        self._owed: dict[int, int] = {}
+        self._batch = max(1, credits // 4)
         self._queued: dict[int, int] = dict(enumerate(prompt_tokens))  # not yet scheduled
         self.outputs = OutputQueue()  # written here, read by the request (GenerationStream)
 
@@ -96,8 +102,15 @@ class Session:
             self.started = True
         self.outputs.send_nowait(out)
         if out.finish_reason is None:
-            self._credits[index] = left - 1
-            if left == 1 and self.paused_since is None:
+            left -= 1
+            if left < self._batch and index in self._owed:
+                # Credits are held back only while the worker has plenty: never let it run dry
+                # (pause) on credits the reader already freed.
+                n = self._owed.pop(index)
+                left += n
+                self._router.credit(out.uid, n)
+            self._credits[index] = left
+            if left == 0 and self.paused_since is None:
                 self.paused_since = now
                 self._router.paused(self)
         else:
@@ -122,12 +135,18 @@ class Session:
     # -- the reader's side -------------------------------------------------------------------
 
     def take(self, outputs: Sequence[RequestOutput]) -> None:
-        """The reader took ``outputs``: the worker may send as many more (of the live choices)."""
+        """The reader took ``outputs``: the worker may send as many more (of the live choices),
+        given back in batches (``_owed``)."""
+        credits, owed, batch = self._credits, self._owed, self._batch
         for out in outputs:
             index = out.uid[1]
-            if out.finish_reason is None and index in self._credits:
-                self._credits[index] += 1
-                self._router.credit(out.uid)
+            if out.finish_reason is None and index in credits:
+                n = owed.pop(index, 0) + 1
+                if n < batch and credits[index] >= batch:
+                    owed[index] = n
+                    continue
+                credits[index] += n
+                self._router.credit(out.uid, n)
         self._resume_if_ready()
 
     def finish(self, index: int) -> None:
@@ -156,6 +175,7 @@ class Session:
 
     def _end(self, index: int, reason: str) -> None:
         del self._credits[index]
+        self._owed.pop(index, None)
         tokens = self._queued.pop(index, None)
         if tokens is not None:  # it ends without ever being scheduled
             self._router.left_queue(self, tokens, admitted=False, first=False, now=None)
