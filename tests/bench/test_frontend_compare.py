@@ -97,6 +97,7 @@ def test_cpu_meter_counts_grandchildren(monkeypatch: pytest.MonkeyPatch, childre
         assert proc.stdout is not None and proc.stdout.readline().strip() == "done"
         assert meter.sample() > 150_000_000  # ns: the grandchild's 0.2 s, less what ran before
         assert len(procstat.process_tree(proc.pid)) >= 2 and len(meter.pids_seen) >= 2
+        assert meter.root_ns() < 50_000_000  # the shell itself only waited: its children's is not its own
     finally:
         frontend.stop_server(proc, timeout=5)
 

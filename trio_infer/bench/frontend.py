@@ -16,6 +16,9 @@ For each concurrency (``--concurrency 1,64,256``) the load generator keeps that 
 - server CPU us/token: the server process tree's CPU time (user + system, all threads, from
   /proc schedstat) over the load window, minus what it burns idle at the same probe rate
   (measured for ``--idle-s`` before each level), per streamed token. The raw figure is in the JSON.
+  "of it front end": the same for the server's own process alone (``serve``'s front end; the
+  rest is its batching worker, whose stand-in model's forward is part of it; a one-process
+  server's is all of it).
 - loadgen CPU us/token and cores busy (server + load generator CPU over the window / its length):
   with 2 cores, "cores busy" near 2 means the figures are bounded by the machine, not the server.
 - /health p99: latency of the probes sent during the load window.
@@ -211,6 +214,7 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
     root = Endpoint("127.0.0.1", port, "")
     meter = CpuMeter(pid)  # the server's whole process tree, children included
     cpu: list[tuple[float, int]] = []
+    root_cpu: list[tuple[float, int]] = []  # the server process alone (ours: the front end)
     probes: list[tuple[float, float]] = []  # (sent at, unix; latency s)
     probe_errors = 0
     interval = args.health_interval_ms / 1000.0
@@ -222,6 +226,7 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
         while True:
             now = time.time()
             cpu.append((now, meter.sample()))
+            root_cpu.append((now, meter.root_ns()))
             if client_meter:
                 client_cpu.append((now, client_meter[0].sample()))
             await trio.sleep(0.05)
@@ -272,6 +277,8 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
     idle_rate = (_interp(cpu, idle_t1) - _interp(cpu, idle_t0)) / (idle_t1 - idle_t0)
     raw_ns = _interp(cpu, t1) - _interp(cpu, t0)
     net_ns = max(0.0, raw_ns - idle_rate * (t1 - t0))
+    root_idle_rate = (_interp(root_cpu, idle_t1) - _interp(root_cpu, idle_t0)) / (idle_t1 - idle_t0)
+    root_ns = max(0.0, _interp(root_cpu, t1) - _interp(root_cpu, t0) - root_idle_rate * (t1 - t0))
     client_ns = _interp(client_cpu, t1) - _interp(client_cpu, t0)
     tokens = load["output_tokens"]
     during = [lat for sent, lat in probes if t0 <= sent <= t1]
@@ -300,6 +307,8 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
         "server_idle_cpu_per_s": idle_rate / 1e9,
         "server_cpu_us_per_token": net_ns / 1e3 / tokens if tokens else math.nan,
         "server_cpu_us_per_token_raw": raw_ns / 1e3 / tokens if tokens else math.nan,
+        # Of it, the server's own process (ours: the front end; the rest is the worker's).
+        "front_end_cpu_us_per_token": root_ns / 1e3 / tokens if tokens else math.nan,
         "server_processes": len(meter.pids_seen),
         "client_cpu_us_per_token": client_ns / 1e3 / tokens if tokens else math.nan,
         "cpu_cores_busy": (raw_ns + client_ns) / 1e9 / (t1 - t0),
@@ -432,7 +441,8 @@ def ratios(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[dic
 # -- output ---------------------------------------------------------------------------------------
 
 TABLE_HEADERS = ["streams", "reqs", "errors", "tok/s", "keep-up", "TTFT p50 ms", "TTFT p99 ms",
-                 "gap p50 ms", "gap p99 ms", "server CPU us/tok", "loadgen CPU us/tok",
+                 "gap p50 ms", "gap p99 ms", "server CPU us/tok", "of it front end",
+                 "loadgen CPU us/tok",
                  "cores busy", "/health p99 ms"]
 
 
@@ -440,7 +450,8 @@ def _table_row(lv: dict[str, Any]) -> list[Any]:
     return [
         lv["concurrency"], lv["streams"], lv["errors"], lv["streamed_tok_s"], lv["keep_up"],
         lv["ttft_ms"]["p50"], lv["ttft_ms"]["p99"], lv["chunk_gap_ms"]["p50"],
-        lv["chunk_gap_ms"]["p99"], lv["server_cpu_us_per_token"], lv["client_cpu_us_per_token"],
+        lv["chunk_gap_ms"]["p99"], lv["server_cpu_us_per_token"],
+        lv.get("front_end_cpu_us_per_token", math.nan), lv["client_cpu_us_per_token"],
         lv["cpu_cores_busy"], lv["health_ms"]["p99"],
     ]
 

@@ -119,6 +119,11 @@ class CpuMeter:
         self._last.update(now)
         return sum(v - self._base.get(k, 0) for k, v in self._last.items())
 
+    def root_ns(self) -> int:
+        """Of the last :meth:`sample`, the CPU of the process itself, its children left out
+        (``serve``'s front end, without its batching worker)."""
+        return sum(v - self._base.get(k, 0) for k, v in self._last.items() if k[0] == self.pid)
+
 
 def available() -> bool:
     return Path(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat").is_file()
