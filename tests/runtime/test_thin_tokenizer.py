@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -285,16 +284,3 @@ def test_the_reserved_template_arguments_are_transformers(
 
     thin, hf = pairs["fake"]
     assert _reserved(thin) == _reserved(hf)
-
-
-def test_time_per_chat_prompt(pairs: dict[str, tuple[ThinTokenizer, Any]]) -> None:
-    """Reported, not asserted (it depends on the machine): the thin rendering is no slower."""
-    thin, hf = pairs["qwen3"]
-    messages = CONVERSATIONS["system"]
-    times = {}
-    for name, tok in (("thin", thin), ("transformers", hf)):
-        start = time.perf_counter()
-        for _ in range(200):
-            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, tools=[WEATHER])
-        times[name] = (time.perf_counter() - start) / 200 * 1e6
-    print(f"apply_chat_template: thin {times['thin']:.0f} us, transformers {times['transformers']:.0f} us")
