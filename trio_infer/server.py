@@ -66,7 +66,10 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
    is corked, change 5); anything
    else (the first and last messages, a HEAD or a fixed-length body, HTTP/2) goes through
    hypercorn's own path. Same bytes, same order, same lock. Like change 3, it applies to every
-   connection once installed.
+   connection once installed. The streamed routes go one step further through
+   :func:`body_writer`: the connection is found once a response, after its status, and each
+   chunk after that is framed and written without the ASGI send and its message at all (a
+   chunk to cork, change 5, or a connection no longer sending its body still goes through it).
 
 5. **Two sends that follow each other in one write, and no empty writes.** hypercorn writes
    the headers when the app sends ``http.response.start``, then each body message, then the end
@@ -117,7 +120,7 @@ import os
 import socket
 import stat
 import struct
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import trio
 from hypercorn.config import Config
@@ -324,6 +327,7 @@ class _IdleTimer:
 
 
 _INSTALLED = False
+_chunk_writer: Callable[[Any], Callable[[bytes], Awaitable[None]] | None] | None = None  # install()
 
 
 def install() -> bool:
@@ -496,8 +500,52 @@ def install() -> bool:
         return await app_send(self, message)
 
     HTTPStream.app_send = _app_send  # type: ignore[method-assign]
+
+    def chunk_writer(send: Any) -> Callable[[bytes], Awaitable[None]] | None:
+        """Change 4 for a whole response: what _send_message finds out about the connection
+        for each chunk (its HTTP/1.1 protocol, h11's chunked writer, our TCP server), found once,
+        after the status went out; per chunk only what can change is looked at again."""
+        stream = getattr(send, "__self__", None)
+        if type(stream) is not HTTPStream or stream.state is not send_body:
+            return None
+        protocol = getattr(stream.send, "__self__", None)
+        server = getattr(getattr(protocol, "send", None), "__self__", None)
+        if type(protocol) is not H11Protocol or type(server) is not CappedTCPServer \
+                or not isinstance(server.stream, trio.SocketStream):
+            return None
+        connection = protocol.connection
+        if type(connection._writer) is not ChunkedWriter:
+            return None
+        body, scope = h11.SEND_BODY, stream.scope
+
+        async def write(data: bytes) -> None:
+            if data and server.corked is None and stream.state is send_body \
+                    and connection.our_state is body and NEXT_SEND_FOLLOWS not in scope:
+                await server.send_raw(b"%x\r\n%b\r\n" % (len(data), data))
+            else:  # corked or to cork (change 5), ended, closed: as the ASGI send does it
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        return write
+
+    global _chunk_writer
+    _chunk_writer = chunk_writer
     _INSTALLED = True
     return True
+
+
+def body_writer(send: Any) -> Callable[[bytes], Awaitable[None]]:
+    """How a streamed response writes its chunks once its status is sent (``send``: the
+    request's ASGI send): straight to the connection (change 4, looked up once) where the
+    changes are installed and the connection is hypercorn's HTTP/1.1 over a socket, else
+    through ``send``."""
+    direct = _chunk_writer(send) if _chunk_writer is not None else None
+    if direct is not None:
+        return direct
+
+    async def through_send(data: bytes) -> None:
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    return through_send
 
 
 def configure(settings: Settings, wiring: Wiring = Wiring()) -> ServerConfig:

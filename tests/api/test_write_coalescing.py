@@ -111,3 +111,31 @@ async def test_with_a_queue_time_limit_only_a_ready_first_chunk_joins_the_header
     assert writes[0].startswith(b"HTTP/1.1 200")
     assert (b"data:" in writes[0]) is joined
     assert writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and all(writes)
+
+
+async def test_a_streams_middle_chunks_go_straight_to_the_connection(app, monkeypatch) -> None:
+    """server.py's change 4 for a whole response (``body_writer``): once the status is out, each
+    chunk but the first and the last is framed and written without the ASGI send; the bytes are
+    hypercorn's (an h11 client parses the response whole), one write a chunk."""
+    from hypercorn.protocol.http_stream import HTTPStream
+
+    bodies: list[bytes] = []
+    app_send = HTTPStream.app_send
+
+    async def counting(self: Any, message: Any) -> None:
+        if message is not None and message["type"] == "http.response.body":
+            bodies.append(message.get("body", b""))
+        await app_send(self, message)
+
+    monkeypatch.setattr(HTTPStream, "app_send", counting)
+    writes, events = await exchange(app, "/v1/chat/completions", {
+        "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+        "stream": True, "stream_options": {"include_usage": True}}, monkeypatch)
+    text = body_text(events)
+    chunks = [json.loads(x[len("data: "):]) for x in text.split("\n\n") if x.startswith("data: {")]
+    assert chunks[-1]["usage"]["completion_tokens"] == 8 and text.endswith("data: [DONE]\n\n")
+    # Through the ASGI send: the role chunk (with the headers), the last chunk, the end.
+    assert len(bodies) == 3 and bodies[-1] == b"" and b"[DONE]" in bodies[1]
+    middle = writes[1:-1]
+    assert middle and all(w.endswith(b"\n\n\r\n") and b'"content":' in w for w in middle)
+    assert len(writes) == len(middle) + 2

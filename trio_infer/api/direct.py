@@ -52,6 +52,7 @@ from trio_infer.api.protocol import (
 )
 from trio_infer.api.respond import TIMEOUT_HEADER, complete, open_stream, request_timeout
 from trio_infer.api.state import ServerState
+from trio_infer.server import body_writer
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -209,6 +210,7 @@ async def _route(path: str, raw: bytes, headers: dict[str, str], scope: dict[str
         return await _send_error(send, error_of(exc), close=False)
     async with aclosing(content):
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        write = body_writer(send)
         async for chunk in content:
-            await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+            await write(chunk.encode())
     await send({"type": "http.response.body", "body": b"", "more_body": False})

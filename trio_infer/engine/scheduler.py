@@ -46,14 +46,18 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from trio_infer.engine.kv_cache import OutOfPages, PagePool
 from trio_infer.engine.prefix_cache import ROOT, PrefixCache
 from trio_infer.engine.sequence import Sequence, Status
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
+    """One sequence's part of a step. Immutable, and a tuple: one is built for every sequence
+    of every step, and a frozen dataclass's ``__init__`` (a ``object.__setattr__`` per field)
+    cost 1.9 us of it, a tenth of the worker's CPU at 256 sequences (docs/benchmarks.md)."""
+
     seq: Sequence
     start: int  # first token computed this step (the sequence's num_computed at schedule time)
     num_tokens: int
