@@ -68,7 +68,7 @@ class ChoiceText:
     def consume(self, outputs: Sequence[RequestOutput]) -> ChoiceDelta | None:
         """Fold this read's outputs for the choice into a delta; None once it has finished (a
         stop string may end a choice before the engine does: later outputs are dropped)."""
-        if self.finished:
+        if self.finish_reason is not None:
             return None
         text_parts: list[str] = []
         lps: list[TokenLogprob] = []
@@ -196,7 +196,10 @@ class TextStream:
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.choices)
+        for c in self.choices:  # (a loop, not all() over a generator: asked twice per read)
+            if c.finish_reason is None:
+                return False
+        return True
 
     @property
     def num_completion_tokens(self) -> int:
