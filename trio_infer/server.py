@@ -482,46 +482,55 @@ def install() -> bool:
                 return
         await _send_message(self, message)
 
+    def _chunked(stream: Any) -> tuple[Any, Any] | None:
+        """Change 4's test: the (H11Protocol, our TCP server or None) that ``stream``'s body
+        chunks are framed for and written to directly, or None when its response is not an
+        HTTP/1.1 chunked body being sent (hypercorn's own path then)."""
+        protocol = getattr(stream.send, "__self__", None)  # the H11Protocol whose stream this is
+        if type(protocol) is not H11Protocol:
+            return None
+        connection = protocol.connection
+        if connection.our_state is not h11.SEND_BODY or type(connection._writer) is not ChunkedWriter:
+            return None
+        server = getattr(protocol.send, "__self__", None)  # the connection's TCPServer
+        if type(server) is not CappedTCPServer or not isinstance(server.stream, trio.SocketStream):
+            server = None
+        return protocol, server
+
+    def _frame(data: bytes) -> bytes:
+        return b"%x\r\n%b\r\n" % (len(data), data)  # a chunk as h11's ChunkedWriter frames it
+
     async def _send_message(self: Any, message: Any) -> None:
         """Change 4: a chunk of a chunked HTTP/1.1 body, framed as h11 frames it, written at once."""
         if message is not None and self.state is send_body and message["type"] == "http.response.body":
             data = message.get("body")
-            protocol = getattr(self.send, "__self__", None)  # the H11Protocol whose stream this is
-            if data and type(data) is bytes and message.get("more_body") \
-                    and type(protocol) is H11Protocol:
-                connection = protocol.connection
-                if connection.our_state is h11.SEND_BODY and type(connection._writer) is ChunkedWriter:
-                    framed = b"%x\r\n%b\r\n" % (len(data), data)
-                    server = getattr(protocol.send, "__self__", None)  # the connection's TCPServer
-                    if type(server) is CappedTCPServer and server.corked is None \
-                            and isinstance(server.stream, trio.SocketStream):
-                        return await server.send_raw(framed)  # what protocol_send would do
-                    return await protocol.send(RawData(framed))
+            found = _chunked(self) if data and type(data) is bytes and message.get("more_body") else None
+            if found is not None:
+                protocol, server = found
+                if server is not None and server.corked is None:
+                    return await server.send_raw(_frame(data))  # what protocol_send would do
+                return await protocol.send(RawData(_frame(data)))
         return await app_send(self, message)
 
     HTTPStream.app_send = _app_send  # type: ignore[method-assign]
 
     def chunk_writer(send: Any) -> Callable[[bytes], Awaitable[None]] | None:
         """Change 4 for a whole response: what _send_message finds out about the connection
-        for each chunk (its HTTP/1.1 protocol, h11's chunked writer, our TCP server), found once,
-        after the status went out; per chunk only what can change is looked at again."""
+        for each chunk (_chunked), found once, after the status went out; per chunk only what
+        can change is looked at again."""
         stream = getattr(send, "__self__", None)
         if type(stream) is not HTTPStream or stream.state is not send_body:
             return None
-        protocol = getattr(stream.send, "__self__", None)
-        server = getattr(getattr(protocol, "send", None), "__self__", None)
-        if type(protocol) is not H11Protocol or type(server) is not CappedTCPServer \
-                or not isinstance(server.stream, trio.SocketStream):
+        found = _chunked(stream)
+        if found is None or found[1] is None:
             return None
-        connection = protocol.connection
-        if type(connection._writer) is not ChunkedWriter:
-            return None
+        connection, server = found[0].connection, found[1]
         body, scope = h11.SEND_BODY, stream.scope
 
         async def write(data: bytes) -> None:
             if data and server.corked is None and stream.state is send_body \
                     and connection.our_state is body and NEXT_SEND_FOLLOWS not in scope:
-                await server.send_raw(b"%x\r\n%b\r\n" % (len(data), data))
+                await server.send_raw(_frame(data))
             else:  # corked or to cork (change 5), ended, closed: as the ASGI send does it
                 await send({"type": "http.response.body", "body": data, "more_body": True})
 

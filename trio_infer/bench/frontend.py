@@ -274,11 +274,16 @@ async def _measure_level(args: argparse.Namespace, port: int, pid: int, concurre
                          + err_log.read_text(errors="replace")[-4000:])
     load = json.loads(out_json.read_text())
     t0, t1 = load["t_start_unix"], load["t_end_unix"]
-    idle_rate = (_interp(cpu, idle_t1) - _interp(cpu, idle_t0)) / (idle_t1 - idle_t0)
-    raw_ns = _interp(cpu, t1) - _interp(cpu, t0)
-    net_ns = max(0.0, raw_ns - idle_rate * (t1 - t0))
-    root_idle_rate = (_interp(root_cpu, idle_t1) - _interp(root_cpu, idle_t0)) / (idle_t1 - idle_t0)
-    root_ns = max(0.0, _interp(root_cpu, t1) - _interp(root_cpu, t0) - root_idle_rate * (t1 - t0))
+
+    def load_ns(series: list[tuple[float, int]]) -> tuple[float, float, float]:
+        """CPU ns of ``series`` over the load window, and that less the idle rate measured
+        before it; and the idle rate (ns/s)."""
+        idle = (_interp(series, idle_t1) - _interp(series, idle_t0)) / (idle_t1 - idle_t0)
+        raw = _interp(series, t1) - _interp(series, t0)
+        return raw, max(0.0, raw - idle * (t1 - t0)), idle
+
+    raw_ns, net_ns, idle_rate = load_ns(cpu)
+    root_ns = load_ns(root_cpu)[1]
     client_ns = _interp(client_cpu, t1) - _interp(client_cpu, t0)
     tokens = load["output_tokens"]
     during = [lat for sent, lat in probes if t0 <= sent <= t1]
