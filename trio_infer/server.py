@@ -5,15 +5,16 @@ this project makes to hypercorn 0.18, with why each exists.
 option that differs from hypercorn's defaults is set there, next to its reason.
 
 :func:`install` changes two hypercorn classes (it must replace them: hypercorn has no hook for
-any of the six changes below). Changes 1 and 2 apply only to connections served under a
+any of the seven changes below). Changes 1 and 2 apply only to connections served under a
 :class:`ServerConfig`; under any other configuration (``hypercorn trio_infer.app:app`` on the
 command line, or another app in the same process) they are hypercorn's own behaviour. Changes
 3, 4 and 5 write the same bytes under the same lock, only faster, and change 6 keeps hypercorn's
-idle timeout with less work, so they apply to every connection once installed: ``serve``
-installs all six before it starts hypercorn, and the app installs them from its lifespan
-startup (``app.py``), which is how the bare ``hypercorn trio_infer.app:app`` command gets
-changes 3 to 6: hypercorn looks ``TCPServer`` up in ``hypercorn.trio.run`` when it starts
-serving, after the app's startup has run. (Changes 1 and 2 stay off there: the cap and the
+idle timeout with less work, and change 7 accepts the same connections sooner, so they apply
+to every connection once installed: ``serve`` installs all seven before it starts hypercorn,
+and the app installs them from its lifespan startup (``app.py``), which is how the bare
+``hypercorn trio_infer.app:app`` command gets changes 3 to 7: hypercorn looks ``TCPServer`` and
+``trio.serve_listeners`` up in ``hypercorn.trio.run`` when it starts serving, after the app's
+startup has run. (Changes 1 and 2 stay off there: the cap and the
 timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does not carry.)
 
 1. **A cap on concurrent connections**, which hypercorn lacks (``max_connections``). A connection
@@ -108,18 +109,27 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
    ``max_connections`` for up to ``keep_alive_timeout``: four bursts of 256 short requests
    within 5 s had the fourth's last 24 refused 503 at the cap of 1,000.
 
+7. **A burst of new connections accepted in one round of the run loop**
+   (:class:`BurstListener`). trio accepts one connection per round, and under load a round is
+   long: 256 chat streams arriving at once had their connections' tasks started over 0.6-1.1 s
+   on a 2-core machine, where uvicorn takes the whole accept queue at once. The listener takes
+   every connection already queued in the kernel in the round that finds the first. Under any
+   configuration: the same connections, the same order, only sooner.
+
 ``tests/runtime/test_connection_limits.py`` proves changes 1 and 2 against a real server (and
 fails without them); every streaming test goes through change 3.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
 import socket
 import stat
 import struct
+import types
 from typing import Any, Awaitable, Callable
 
 import trio
@@ -331,7 +341,7 @@ _chunk_writer: Callable[[Any], Callable[[bytes], Awaitable[None]] | None] | None
 
 
 def install() -> bool:
-    """Install the six changes (idempotent). Returns False, changing nothing, if hypercorn is
+    """Install the seven changes (idempotent). Returns False, changing nothing, if hypercorn is
     not the 0.18 layout they were written for."""
     global _INSTALLED
     if _INSTALLED:
@@ -437,6 +447,7 @@ def install() -> bool:
                 await self.protocol.handle(Closed())
 
     run_module.TCPServer = CappedTCPServer  # type: ignore[misc]
+    run_module.trio = _TrioForHypercorn()  # change 7: what worker_serve calls serve_listeners by
 
     recycle = H11Protocol._maybe_recycle
 
@@ -540,6 +551,92 @@ def install() -> bool:
     _chunk_writer = chunk_writer
     _INSTALLED = True
     return True
+
+
+class BurstListener(trio.abc.Listener[trio.SocketStream]):
+    """Change 7: a listener that takes every connection waiting in the kernel's accept queue in
+    the round of the run loop that finds the first one.
+
+    ``trio.SocketListener.accept`` returns one connection and then yields (a schedule point), so
+    ``trio.serve_listeners`` starts one connection's task per round of the run loop. Under load a
+    round is long (every stream with a token to write runs in it), so a burst of N new
+    connections waited N rounds to be started: in a burst of 256 chat streams on a 2-core AMD
+    EPYC (Zen 3) the last connection's task started 0.6-1.1 s after the first, while every
+    client's connect had finished within 75 ms (the kernel had them all queued), and those
+    requests' first bytes came that much later (docs/benchmarks.md, the seventh stop). uvicorn
+    (uvloop) accepts the whole queue on one readiness event, as this does.
+
+    After an awaited ``accept`` of the inner listener, ``accept(2)`` is called without blocking
+    on a second file object of the same listening socket (a ``dup``: same queue, same
+    non-blocking flag) until the queue is empty or :data:`BURST_MAX` were taken; those are
+    returned by the next calls without yielding, so ``serve_listeners`` starts all their tasks
+    in the same round. Errors are the inner listener's: a connection aborted while queued is
+    skipped, and any other error (out of file descriptors) ends the burst, to be met again (and
+    reported) by the next awaited ``accept``."""
+
+    def __init__(self, inner: trio.SocketListener) -> None:
+        self.inner = inner
+        self.queue: list[trio.SocketStream] = []  # taken, not yet returned; newest last
+        self._raw = socket.socket(fileno=os.dup(inner.socket.fileno()))
+
+    async def accept(self) -> trio.SocketStream:
+        if self.queue:
+            return self.queue.pop()  # no schedule point: the burst starts in one round
+        stream = await self.inner.accept()
+        self._take_queued()
+        return stream
+
+    def _take_queued(self) -> None:
+        taken: list[trio.SocketStream] = []
+        while len(taken) < BURST_MAX:
+            try:
+                raw, _ = self._raw.accept()
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno in _ABORTED_ACCEPTS:
+                    continue
+                break
+            taken.append(trio.SocketStream(trio.socket.from_stdlib_socket(raw)))
+        taken.reverse()  # pop() from the end returns them in the kernel's order
+        self.queue = taken
+
+    async def aclose(self) -> None:
+        queued, self.queue = self.queue, []
+        try:
+            for stream in queued:
+                await stream.aclose()
+        finally:
+            self._raw.close()
+            await self.inner.aclose()
+
+
+# What trio.SocketListener.accept skips (a connection gone before it was taken), and how many
+# connections one burst takes at most (a round of the run loop starts that many tasks).
+_ABORTED_ACCEPTS = frozenset(getattr(errno, name) for name in ("ECONNABORTED", "EPERM", "EPROTO")
+                             if hasattr(errno, name))
+BURST_MAX = 1024
+
+
+async def _serve_listeners(handler: Any, listeners: list[Any], **kwargs: Any) -> Any:
+    """``trio.serve_listeners`` with each plain TCP listener taking bursts whole (change 7)."""
+    burst = [BurstListener(lis) if type(lis) is trio.SocketListener else lis for lis in listeners]
+    return await trio.serve_listeners(handler, burst, **kwargs)
+
+
+class _TrioForHypercorn(types.ModuleType):
+    """The ``trio`` that ``hypercorn.trio.run`` sees (change 7): trio itself but for
+    ``serve_listeners``, the one call through which hypercorn accepts connections (it has no
+    hook for it). Installed as that module's ``trio`` name, looked up when it starts serving,
+    after the app's startup, like change 1's ``TCPServer``."""
+
+    serve_listeners = staticmethod(_serve_listeners)
+
+    def __init__(self) -> None:
+        super().__init__("trio")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(trio, name)
 
 
 def body_writer(send: Any) -> Callable[[bytes], Awaitable[None]]:

@@ -144,3 +144,72 @@ def test_the_idle_timer_ends_without_a_close_when_the_reading_ends() -> None:
         await timer.restart(group, None)  # nothing starts again
 
     assert _run_timer(scenario) == [1]  # no close, and the task group was done at once
+
+
+def _listening_socket() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    return sock
+
+
+def test_a_burst_of_connections_is_taken_in_one_round_in_the_kernels_order() -> None:
+    # Change 7: the clients' connects are complete (the kernel queued them) before the server
+    # accepts; the first accept waits as trio's does, the other four come back without a
+    # schedule point, so serve_listeners starts all five tasks in one round.
+    async def main() -> None:
+        listening = _listening_socket()
+        address = listening.getsockname()
+        clients = [socket.create_connection(address) for _ in range(5)]
+        listener = server.BurstListener(trio.SocketListener(trio.socket.from_stdlib_socket(listening)))
+        try:
+            streams = [await listener.accept()]
+            for _ in range(4):
+                with trio.testing.assert_no_checkpoints():
+                    streams.append(await listener.accept())
+            assert [s.socket.getpeername() for s in streams] == [c.getsockname() for c in clients]
+            # each is a trio stream that works, with trio's TCP_NODELAY
+            for client, stream in zip(clients, streams):
+                client.sendall(b"x")
+                assert await stream.receive_some(1) == b"x"
+                assert stream.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            # the queue is empty again: the next accept waits for a new connection
+            with trio.move_on_after(0.05) as waited:
+                await listener.accept()
+            assert waited.cancelled_caught
+            for stream in streams:
+                await stream.aclose()
+        finally:
+            await listener.aclose()
+            for client in clients:
+                client.close()
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))  # the 0.05 s wait jumps
+
+
+def test_closing_a_burst_listener_closes_what_it_took_and_its_socket() -> None:
+    async def main() -> None:
+        listening = _listening_socket()
+        address = listening.getsockname()
+        clients = [socket.create_connection(address) for _ in range(3)]
+        listener = server.BurstListener(trio.SocketListener(trio.socket.from_stdlib_socket(listening)))
+        first = await listener.accept()
+        assert len(listener.queue) == 2  # taken, not yet handed out
+        await listener.aclose()
+        await first.aclose()
+        for client in clients:  # every server side is closed: each client reads end of file
+            client.settimeout(5)
+            assert client.recv(1) == b""
+            client.close()
+        with pytest.raises(OSError):
+            socket.create_connection(address, timeout=1)  # nothing listens any more
+
+    trio.run(main)
+
+
+def test_hypercorn_serves_through_burst_listeners_once_installed() -> None:
+    import hypercorn.trio.run as run_module
+
+    assert server.install()
+    assert run_module.trio.serve_listeners is server._serve_listeners
+    assert run_module.trio.open_nursery is trio.open_nursery  # the rest is trio's own
