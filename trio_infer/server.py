@@ -5,14 +5,14 @@ this project makes to hypercorn 0.18, with why each exists.
 option that differs from hypercorn's defaults is set there, next to its reason.
 
 :func:`install` changes two hypercorn classes (it must replace them: hypercorn has no hook for
-any of the seven changes below). Changes 1 and 2 apply only to connections served under a
+any of the eight changes below). Changes 1 and 2 apply only to connections served under a
 :class:`ServerConfig`; under any other configuration (``hypercorn trio_infer.app:app`` on the
 command line, or another app in the same process) they are hypercorn's own behaviour. Changes
 3, 4 and 5 write the same bytes under the same lock, only faster, and change 6 keeps hypercorn's
-idle timeout with less work, and change 7 accepts the same connections sooner, so they apply
-to every connection once installed: ``serve`` installs all seven before it starts hypercorn,
-and the app installs them from its lifespan startup (``app.py``), which is how the bare
-``hypercorn trio_infer.app:app`` command gets changes 3 to 7: hypercorn looks ``TCPServer`` and
+idle timeout with less work, and changes 7 and 8 accept and read the same connections sooner,
+so they apply to every connection once installed: ``serve`` installs all eight before it
+starts hypercorn, and the app installs them from its lifespan startup (``app.py``), which is
+how the bare ``hypercorn trio_infer.app:app`` command gets changes 3 to 8: hypercorn looks ``TCPServer`` and
 ``trio.serve_listeners`` up in ``hypercorn.trio.run`` when it starts serving, after the app's
 startup has run. (Changes 1 and 2 stay off there: the cap and the
 timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does not carry.)
@@ -115,6 +115,14 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
    on a 2-core machine, where uvicorn takes the whole accept queue at once. The listener takes
    every connection already queued in the kernel in the round that finds the first. Under any
    configuration: the same connections, the same order, only sooner.
+
+8. **Bytes already waiting are read without a schedule point** (``CappedTCPServer._read_loop``,
+   hypercorn's ``_read_data`` otherwise). trio's ``receive_some`` yields after every read, so a
+   new connection's task spent a round of the run loop between reading its request (nearly
+   always there when the task starts) and parsing it. One ``os.read`` that does not yield is
+   tried first, after a read that waited; a client that keeps sending still meets a schedule
+   point every other read. With change 7 and the body read that stops at its declared length
+   (``api/direct.py``), a ``/health`` probe under 256 streams went from 52-58 to 33-34 ms p50.
 
 ``tests/runtime/test_connection_limits.py`` proves changes 1 and 2 against a real server (and
 fails without them); every streaming test goes through change 3.
@@ -341,7 +349,7 @@ _chunk_writer: Callable[[Any], Callable[[bytes], Awaitable[None]] | None] | None
 
 
 def install() -> bool:
-    """Install the seven changes (idempotent). Returns False, changing nothing, if hypercorn is
+    """Install the eight changes (idempotent). Returns False, changing nothing, if hypercorn is
     not the 0.18 layout they were written for."""
     global _INSTALLED
     if _INSTALLED:
@@ -353,7 +361,7 @@ def install() -> bool:
         from h11._writers import ChunkedWriter
         from hypercorn.protocol.h11 import H11Protocol
         from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
-        from hypercorn.trio.tcp_server import TCPServer
+        from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
     except ImportError:
         return False
     if getattr(run_module, "TCPServer", None) is not TCPServer or not hasattr(TCPServer, "protocol_send") \
@@ -397,9 +405,44 @@ def install() -> bool:
 
         async def _read_data(self) -> None:
             try:
-                await super()._read_data()
+                await self._read_loop()
             finally:
                 self.idle_task.end()  # change 6
+
+        async def _read_loop(self) -> None:
+            """hypercorn's ``_read_data``, with change 8: bytes already waiting on the socket
+            are read with one ``os.read`` that does not yield, where trio's ``receive_some``
+            yields after every read. A new connection's request is nearly always there when its
+            task starts, so hypercorn parses it and starts the app in that same round of the run
+            loop. Only a read after one that waited is tried that way: a client that keeps
+            sending still meets a schedule point every other read."""
+            # The descriptor is asked for at each read, never kept: once another task closed the
+            # stream (the idle timer) it is -1 (EBADF), never a number reused by a new connection.
+            sock = self.stream.socket if type(self.stream) is trio.SocketStream else None
+            timeout = self.config.read_timeout or math.inf
+            waited = True
+            while True:
+                data: bytes | None = None
+                if sock is not None and waited:
+                    try:
+                        data = os.read(sock.fileno(), MAX_RECV)
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        break  # reset by the peer: as receive_some's BrokenResourceError
+                if data is None:
+                    try:
+                        with trio.fail_after(timeout):
+                            data = bytes(await self.stream.receive_some(MAX_RECV))
+                    except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                        break
+                    waited = True
+                else:
+                    waited = False
+                await self.protocol.handle(RawData(data))
+                if data == b"":
+                    break
+            await self.protocol.handle(Closed())
 
         async def protocol_send(self, event: Any) -> None:
             if type(event) is RawData and isinstance(self.stream, trio.SocketStream):
@@ -566,25 +609,25 @@ class BurstListener(trio.abc.Listener[trio.SocketStream]):
     requests' first bytes came that much later (docs/benchmarks.md, the seventh stop). uvicorn
     (uvloop) accepts the whole queue on one readiness event, as this does.
 
-    After an awaited ``accept`` of the inner listener, ``accept(2)`` is called without blocking
-    on a second file object of the same listening socket (a ``dup``: same queue, same
-    non-blocking flag) until the queue is empty or :data:`BURST_MAX` were taken; those are
-    returned by the next calls without yielding, so ``serve_listeners`` starts all their tasks
-    in the same round. Errors are the inner listener's: a connection aborted while queued is
-    skipped, and any other error (out of file descriptors) ends the burst, to be met again (and
-    reported) by the next awaited ``accept``."""
+    ``accept`` waits until the listening socket is readable (trio's own wait, on the inner
+    listener's socket), then calls ``accept(2)`` without blocking on a second file object of the
+    same socket (a ``dup``: same queue, same non-blocking flag) until the queue is empty or
+    :data:`BURST_MAX` were taken, and returns the first without another schedule point; the next
+    calls return the rest without one, so ``serve_listeners`` starts all their tasks in the same
+    round. Errors are trio's: a connection aborted while queued is skipped; any other error (out
+    of file descriptors) is raised when nothing was taken, else ends the burst, to be met again
+    by the next call. The inner listener owns the socket: closing this closes it."""
 
     def __init__(self, inner: trio.SocketListener) -> None:
         self.inner = inner
-        self.queue: list[trio.SocketStream] = []  # taken, not yet returned; newest last
+        self.queue: list[trio.SocketStream] = []  # taken, not yet returned; next one last
         self._raw = socket.socket(fileno=os.dup(inner.socket.fileno()))
 
     async def accept(self) -> trio.SocketStream:
-        if self.queue:
-            return self.queue.pop()  # no schedule point: the burst starts in one round
-        stream = await self.inner.accept()
-        self._take_queued()
-        return stream
+        while not self.queue:
+            await trio.lowlevel.wait_readable(self.inner.socket)
+            self._take_queued()
+        return self.queue.pop()  # no schedule point: the burst starts in one round
 
     def _take_queued(self) -> None:
         taken: list[trio.SocketStream] = []
@@ -596,6 +639,10 @@ class BurstListener(trio.abc.Listener[trio.SocketStream]):
             except OSError as exc:
                 if exc.errno in _ABORTED_ACCEPTS:
                     continue
+                if exc.errno in _CLOSED and not taken:
+                    raise trio.ClosedResourceError from None
+                if not taken:
+                    raise
                 break
             taken.append(trio.SocketStream(trio.socket.from_stdlib_socket(raw)))
         taken.reverse()  # pop() from the end returns them in the kernel's order
@@ -615,6 +662,7 @@ class BurstListener(trio.abc.Listener[trio.SocketStream]):
 # connections one burst takes at most (a round of the run loop starts that many tasks).
 _ABORTED_ACCEPTS = frozenset(getattr(errno, name) for name in ("ECONNABORTED", "EPERM", "EPROTO")
                              if hasattr(errno, name))
+_CLOSED = frozenset({errno.EBADF, errno.ENOTSOCK})  # the listener was closed
 BURST_MAX = 1024
 
 

@@ -110,6 +110,27 @@ async def test_a_body_past_max_body_bytes_gets_413_and_close(tokenizer, autojump
         assert json.loads(c.body())["error"]["code"] == "request_too_large"
 
 
+@pytest.mark.parametrize("parts", [1, 3])
+async def test_a_body_of_its_declared_length_is_answered_without_the_end_message(
+        tokenizer, autojump_clock, parts) -> None:
+    # hypercorn sends "more_body: false" in a message of its own after the last bytes, a round
+    # of the run loop later; a body whose Content-Length bytes are all in does not wait for it.
+    app = make_app(tokenizer)
+    body = json.dumps(chat_body(max_tokens=2)).encode()
+    async with running(app):
+        c = Client()
+        cuts = [len(body) * i // parts for i in range(parts + 1)]
+        for start, end in zip(cuts, cuts[1:]):
+            c.feed(body[start:end], more=True)  # ... and never the end message
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode())]
+        with trio.fail_after(60):
+            await app(scope_for("/v1/chat/completions", headers=headers), c.receive, c.send)
+        assert c.status() == 200
+        assert json.loads(c.body())["usage"]["completion_tokens"] == 2
+        assert all_zero(app)
+
+
 async def test_a_client_gone_while_its_body_arrives_gets_nothing_and_leaves_nothing(tokenizer, autojump_clock) -> None:
     app = make_app(tokenizer)
     async with running(app):

@@ -101,8 +101,14 @@ def _quart_head_size(scope: dict[str, Any], path: str, pairs: list[tuple[str, st
 async def _read_body(receive: Receive, declared: str | None, limit: int,
                      timeout_s: float | None) -> bytes | None:
     """The whole body, or None when the client left before it was in. Raises 413 past
-    ``limit`` (at once when the declared length says so) and 408 past ``timeout_s``."""
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    ``limit`` (at once when the declared length says so) and 408 past ``timeout_s``.
+
+    A body of a declared length is whole once that many bytes are in: the server's message that
+    says so (``more_body`` false, empty) is not waited for. hypercorn sends it right after the
+    last bytes, each message a round of the run loop apart, and under load a round is long
+    (every stream with a token to write runs in it); the disconnect watcher takes it later."""
+    expected = int(declared) if declared is not None and declared.isdigit() else None
+    if expected is not None and expected > limit:
         raise RequestEntityTooLarge()
     parts: list[bytes] = []
     size = 0
@@ -119,7 +125,7 @@ async def _read_body(receive: Receive, declared: str | None, limit: int,
                 if size > limit:
                     raise RequestEntityTooLarge()
                 parts.append(chunk)
-            if not message.get("more_body", False):
+            if not message.get("more_body", False) or size == expected:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
     assert waited.cancelled_caught
     raise RequestTimeout()
