@@ -5,14 +5,15 @@ this project makes to hypercorn 0.18, with why each exists.
 option that differs from hypercorn's defaults is set there, next to its reason.
 
 :func:`install` changes two hypercorn classes (it must replace them: hypercorn has no hook for
-any of the eight changes below). Changes 1 and 2 apply only to connections served under a
+any of the eleven changes below). Changes 1 and 2 apply only to connections served under a
 :class:`ServerConfig`; under any other configuration (``hypercorn trio_infer.app:app`` on the
 command line, or another app in the same process) they are hypercorn's own behaviour. Changes
-3, 4 and 5 write the same bytes under the same lock, only faster, and change 6 keeps hypercorn's
-idle timeout with less work, and changes 7 and 8 accept and read the same connections sooner,
-so they apply to every connection once installed: ``serve`` installs all eight before it
+3, 4 and 5 write the same bytes under the same lock, only faster, changes 6 and 11 keep
+hypercorn's idle timeout with less work, changes 7, 8 and 10 accept and read the same
+connections sooner, and change 9 tells the route of a client gone without a task of its own,
+so they apply to every connection once installed: ``serve`` installs all eleven before it
 starts hypercorn, and the app installs them from its lifespan startup (``app.py``), which is
-how the bare ``hypercorn trio_infer.app:app`` command gets changes 3 to 8: hypercorn looks ``TCPServer`` and
+how the bare ``hypercorn trio_infer.app:app`` command gets changes 3 to 11: hypercorn looks ``TCPServer`` and
 ``trio.serve_listeners`` up in ``hypercorn.trio.run`` when it starts serving, after the app's
 startup has run. (Changes 1 and 2 stay off there: the cap and the
 timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does not carry.)
@@ -123,6 +124,34 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
    tried first, after a read that waited; a client that keeps sending still meets a schedule
    point every other read. With change 7 and the body read that stops at its declared length
    (``api/direct.py``), a ``/health`` probe under 256 streams went from 52-58 to 33-34 ms p50.
+
+9. **The route of a client gone cancelled by the close itself** (:func:`cancel_on_close`).
+   A hot route (``api/direct.py``) must stop when its client goes away: the session's block
+   is left, which aborts the request in the engine. It learnt of it from a task per request
+   that waited on ASGI ``receive`` for ``http.disconnect`` (quart-trio does the same), in a
+   nursery of its own: a task's start, three steps and its exit, and a nursery, per request.
+   hypercorn puts ``http.disconnect`` when the request's stream closes (``HTTPStream.handle``
+   of ``StreamClosed``); the route's cancel scope is now cancelled right there, where hypercorn
+   learns it, when the response is not complete yet. The end of every response closes the
+   stream too, from inside the app's last send: that close cancels nothing (it would cancel
+   hypercorn's recycle of the connection half-way, change 2's bug again). Under any
+   configuration; elsewhere (another ASGI server, the tests' in-process app) the route keeps
+   its watching task.
+
+10. **No cancel scope around a read without a deadline.** hypercorn wraps every read in
+    ``fail_after(read_timeout or inf)``: a cancel scope entered and left per read for a
+    deadline that never comes (``serve`` leaves ``read_timeout`` unset, see
+    :func:`hypercorn_config`). With no read timeout the read is awaited bare.
+
+11. **The idle timer's task only for a connection that idles** (:class:`_IdleTimer`). Change
+    6's task was still started once per connection, when it opened. A connection over a socket
+    now starts it only when it is idle *and* its read waits for bytes (``waiting``): until
+    then its read is not blocked, so nothing can outlast the deadline unseen. A connection
+    whose request was already in when its task started, answered and closed (every connection
+    of a burst of new clients, and every client that sends ``Connection: close``) never starts
+    it; a kept-alive connection starts it when its first response ends, as before. A timer
+    whose connection ended before its task first ran returns at once. Other streams (TLS)
+    start it at the first ``restart``, as change 6 did.
 
 ``tests/runtime/test_connection_limits.py`` proves changes 1 and 2 against a real server (and
 fails without them); every streaming test goes through change 3.
@@ -290,6 +319,8 @@ class _IdleTimer:
         self._idle = False
         self._deadline = math.inf
         self._scope: trio.CancelScope | None = None
+        self._task_group: Any = None
+        self._waiting = False  # change 11: the connection's read waits for bytes
         self._started = False
         self._ended = False
 
@@ -303,11 +334,30 @@ class _IdleTimer:
             self._set(-math.inf)
         else:
             self._set(trio.current_time() + self._server.config.keep_alive_timeout)
-        if not self._started and not self._ended:
-            self._started = True
-            # The connection's task group, as TrioSingleTask uses it (its nursery, which
-            # hypercorn's TaskGroup keeps there).
-            task_group._nursery.start_soon(self._run)
+        self._task_group = task_group
+        if self._waiting or not isinstance(self._server.stream, trio.SocketStream):
+            self._start()
+
+    def waiting(self, now: bool) -> None:
+        """Change 11: the connection's read is about to wait for bytes (``now``), or has its
+        bytes. The timer's task starts only once the connection is idle and its read waits:
+        until then the read is not blocked, so nothing can outlast the deadline unseen, and a
+        connection whose request was already in when its task started (every one of a burst)
+        never needs the task at all."""
+        self._waiting = now
+        if now and self._idle:
+            self._start()
+
+    def _start(self) -> None:
+        if self._started or self._ended or self._task_group is None:
+            return
+        stream = self._server.stream
+        if isinstance(stream, trio.SocketStream) and stream.socket.fileno() == -1:
+            return  # already closed (a response that said Connection: close): nothing to time
+        self._started = True
+        # The connection's task group, as TrioSingleTask uses it (its nursery, which
+        # hypercorn's TaskGroup keeps there).
+        self._task_group._nursery.start_soon(self._run)
 
     async def stop(self) -> None:
         """A request started: the connection is not idle."""
@@ -330,6 +380,8 @@ class _IdleTimer:
     async def _run(self) -> None:
         terminated = self._server.context.terminated
         while True:
+            if self._ended:  # ended between start_soon and this task's first step
+                return
             with trio.CancelScope(deadline=self._deadline) as self._scope:
                 if terminated.is_set():  # terminating while a request is in flight: wait
                     await trio.sleep_forever()
@@ -346,10 +398,11 @@ class _IdleTimer:
 
 _INSTALLED = False
 _chunk_writer: Callable[[Any], Callable[[bytes], Awaitable[None]] | None] | None = None  # install()
+_on_close: Callable[[Any, trio.CancelScope], bool] | None = None  # install()
 
 
 def install() -> bool:
-    """Install the eight changes (idempotent). Returns False, changing nothing, if hypercorn is
+    """Install the eleven changes (idempotent). Returns False, changing nothing, if hypercorn is
     not the 0.18 layout they were written for."""
     global _INSTALLED
     if _INSTALLED:
@@ -358,6 +411,7 @@ def install() -> bool:
         import h11
         import hypercorn.trio.run as run_module
         from hypercorn.events import Closed, RawData, Updated
+        from hypercorn.protocol.events import StreamClosed
         from h11._writers import ChunkedWriter
         from hypercorn.protocol.h11 import H11Protocol
         from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
@@ -420,6 +474,7 @@ def install() -> bool:
             # stream (the idle timer) it is -1 (EBADF), never a number reused by a new connection.
             sock = self.stream.socket if type(self.stream) is trio.SocketStream else None
             timeout = self.config.read_timeout or math.inf
+            idle = self.idle_task
             waited = True
             while True:
                 data: bytes | None = None
@@ -431,11 +486,16 @@ def install() -> bool:
                     except OSError:
                         break  # reset by the peer: as receive_some's BrokenResourceError
                 if data is None:
+                    idle.waiting(True)  # change 11
                     try:
-                        with trio.fail_after(timeout):
+                        if timeout == math.inf:  # change 10: no cancel scope for no deadline
                             data = bytes(await self.stream.receive_some(MAX_RECV))
+                        else:
+                            with trio.fail_after(timeout):
+                                data = bytes(await self.stream.receive_some(MAX_RECV))
                     except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
                         break
+                    idle.waiting(False)
                     waited = True
                 else:
                     waited = False
@@ -568,6 +628,31 @@ def install() -> bool:
 
     HTTPStream.app_send = _app_send  # type: ignore[method-assign]
 
+    stream_handle = HTTPStream.handle
+    response_sent = ASGIHTTPState.CLOSED
+
+    async def _stream_handle(self: Any, event: Any) -> None:
+        """Change 9: the scope registered by :func:`cancel_on_close` is cancelled when the
+        stream closes before its response is complete (the client went away), as the app's
+        ``http.disconnect`` (put right after) would have it cancelled a round later."""
+        if type(event) is StreamClosed and not self.closed:
+            scope = self.__dict__.pop("_trio_infer_on_close", None)
+            if scope is not None and self.state is not response_sent:
+                scope.cancel()
+        await stream_handle(self, event)
+
+    HTTPStream.handle = _stream_handle  # type: ignore[method-assign]
+
+    def on_close(send: Any, scope: trio.CancelScope) -> bool:
+        stream = getattr(send, "__self__", None)
+        if type(stream) is not HTTPStream:
+            return False
+        if stream.closed:  # already gone
+            scope.cancel()
+        else:
+            stream._trio_infer_on_close = scope
+        return True
+
     def chunk_writer(send: Any) -> Callable[[bytes], Awaitable[None]] | None:
         """Change 4 for a whole response: what _send_message finds out about the connection
         for each chunk (_chunked), found once, after the status went out; per chunk only what
@@ -590,8 +675,9 @@ def install() -> bool:
 
         return write
 
-    global _chunk_writer
+    global _chunk_writer, _on_close
     _chunk_writer = chunk_writer
+    _on_close = on_close
     _INSTALLED = True
     return True
 
@@ -700,6 +786,14 @@ def body_writer(send: Any) -> Callable[[bytes], Awaitable[None]]:
         await send({"type": "http.response.body", "body": data, "more_body": True})
 
     return through_send
+
+
+def cancel_on_close(send: Any, scope: trio.CancelScope) -> bool:
+    """Have ``scope`` cancelled when the connection of the request whose ASGI send is ``send``
+    closes before its response is complete (change 9; at once if it already has). False,
+    registering nothing, where the changes are not installed or the server is not hypercorn's
+    HTTP/1.1: the caller then watches ``receive`` for ``http.disconnect`` itself."""
+    return _on_close is not None and _on_close(send, scope)
 
 
 def configure(settings: Settings, wiring: Wiring = Wiring()) -> ServerConfig:

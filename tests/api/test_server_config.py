@@ -77,7 +77,9 @@ def test_widen_backlogs_raises_a_short_listen_backlog_and_never_lowers_one() -> 
 
 class _Connection:
     """What server._IdleTimer reads of hypercorn's TCPServer: its config, the worker's
-    context (``terminated``) and the close."""
+    context (``terminated``), its stream and the close. The stream is None (not a socket: a
+    TLS stream, say), whose timer starts at the first ``restart`` as hypercorn's does, unless a
+    test gives it a socket (change 11)."""
 
     def __init__(self, keep_alive_timeout: float) -> None:
         from hypercorn.trio.worker_context import WorkerContext
@@ -85,6 +87,7 @@ class _Connection:
         self.config = Config()
         self.config.keep_alive_timeout = keep_alive_timeout
         self.context = WorkerContext(None)
+        self.stream: Any = None
         self.closed_at: list[float] = []
 
     async def _initiate_server_close(self) -> None:
@@ -144,6 +147,69 @@ def test_the_idle_timer_ends_without_a_close_when_the_reading_ends() -> None:
         await timer.restart(group, None)  # nothing starts again
 
     assert _run_timer(scenario) == [1]  # no close, and the task group was done at once
+
+
+def _run_socket_timer(scenario: Any) -> list[float]:
+    """_run_timer for a connection over a socket (change 11): the scenario also gets the
+    connection's task group's nursery, to count the timer's task."""
+    async def main() -> list[float]:
+        connection = _Connection(keep_alive_timeout=5.0)
+        ours, theirs = socket.socketpair()
+        with theirs:
+            connection.stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+            timer = server._IdleTimer(connection)
+            async with trio.open_nursery() as nursery:
+                await scenario(timer, _TaskGroup(nursery), connection, nursery)
+                timer.end()
+            await connection.stream.aclose()
+        return connection.closed_at + [trio.current_time()]
+
+    return trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
+def test_the_idle_timer_of_a_socket_starts_its_task_only_when_idle_and_its_read_waits() -> None:
+    async def scenario(timer: Any, group: Any, connection: Any, nursery: trio.Nursery) -> None:
+        await timer.restart(group, None)  # the connection opened, its request already in
+        await trio.sleep(1)
+        await timer.stop()  # the request was read: not idle
+        timer.waiting(True)  # the read waits for the client's next bytes
+        await trio.sleep(100)  # a long request
+        assert nursery.child_tasks == set()  # no timer task so far
+        await timer.restart(group, None)  # its response ended, the read waiting: idle from now
+        assert len(nursery.child_tasks) == 1
+        await trio.sleep(10)
+
+    assert _run_socket_timer(scenario) == [101 + 5, 111]
+
+
+def test_the_idle_timer_of_a_socket_that_is_idle_starts_when_its_read_waits() -> None:
+    async def scenario(timer: Any, group: Any, connection: Any, nursery: trio.Nursery) -> None:
+        await timer.restart(group, None)  # opened, nothing read yet
+        await trio.sleep(2)
+        timer.waiting(True)  # no bytes: the read waits, idle since 0
+        assert len(nursery.child_tasks) == 1
+        await trio.sleep(10)
+
+    assert _run_socket_timer(scenario) == [5, 12]  # closed at 0 + 5, not 2 + 5
+
+
+def test_the_idle_timer_of_a_closed_socket_starts_no_task() -> None:
+    async def scenario(timer: Any, group: Any, connection: Any, nursery: trio.Nursery) -> None:
+        timer.waiting(True)
+        await connection.stream.aclose()  # a response that said Connection: close
+        await timer.restart(group, None)  # change 2's restart after it
+        assert nursery.child_tasks == set()
+
+    assert _run_socket_timer(scenario) == [0]
+
+
+def test_the_idle_timer_ended_before_its_task_ran_ends_at_once() -> None:
+    async def scenario(timer: Any, group: Any, connection: Any, nursery: trio.Nursery) -> None:
+        timer.waiting(True)
+        await timer.restart(group, None)  # the task is started, not yet run
+        timer.end()  # the client closed it in the same round
+
+    assert _run_socket_timer(scenario) == [0]  # no close, no wait for the deadline
 
 
 def _listening_socket() -> socket.socket:
@@ -213,3 +279,87 @@ def test_hypercorn_serves_through_burst_listeners_once_installed() -> None:
     assert server.install()
     assert run_module.trio.serve_listeners is server._serve_listeners
     assert run_module.trio.open_nursery is trio.open_nursery  # the rest is trio's own
+
+
+def _http_stream(app_put: Any) -> Any:
+    """A hypercorn HTTP/1.1 stream whose request was received and handed to an app whose
+    receive channel is ``app_put``, as hypercorn has it when the app runs."""
+    from hypercorn.protocol.http_stream import HTTPStream
+
+    async def send(event: Any) -> None:
+        pass
+
+    stream = HTTPStream(None, Config(), None, None, False, None, None, send, 1)
+    stream.scope, stream.start_time, stream.app_put = {}, 0.0, app_put
+    return stream
+
+
+def test_a_stream_closed_before_its_response_ends_cancels_the_registered_scope() -> None:
+    """server.py change 9: the route's scope is cancelled by the close itself (no task watches
+    for ``http.disconnect``), and the app still gets its ``http.disconnect``."""
+    from hypercorn.protocol.events import StreamClosed
+
+    assert server.install()
+
+    async def main() -> None:
+        put: list[Any] = []
+
+        async def app_put(message: Any) -> None:
+            put.append(message)
+
+        stream = _http_stream(app_put)
+        scope = trio.CancelScope()
+        assert server.cancel_on_close(stream.app_send, scope)
+        assert not scope.cancel_called
+        await stream.handle(StreamClosed(stream_id=1))  # the client went away mid-response
+        assert scope.cancel_called
+        assert put == [{"type": "http.disconnect"}]
+
+    trio.run(main)
+
+
+def test_a_stream_closed_after_its_response_cancels_nothing() -> None:
+    """hypercorn closes the stream at the end of every response, from inside the app's last
+    send: that close must not cancel the route (it would cancel hypercorn's recycle too)."""
+    from hypercorn.protocol.events import StreamClosed
+    from hypercorn.protocol.http_stream import ASGIHTTPState
+
+    assert server.install()
+
+    async def main() -> None:
+        async def app_put(message: Any) -> None:
+            pass
+
+        stream = _http_stream(app_put)
+        scope = trio.CancelScope()
+        assert server.cancel_on_close(stream.app_send, scope)
+        stream.state = ASGIHTTPState.CLOSED  # the response was sent whole
+        await stream.handle(StreamClosed(stream_id=1))
+        assert not scope.cancel_called
+
+    trio.run(main)
+
+
+def test_cancel_on_close_of_a_closed_stream_cancels_at_once_and_of_another_server_declines() -> None:
+    from hypercorn.protocol.events import StreamClosed
+
+    assert server.install()
+
+    async def main() -> None:
+        async def app_put(message: Any) -> None:
+            pass
+
+        stream = _http_stream(app_put)
+        await stream.handle(StreamClosed(stream_id=1))
+        scope = trio.CancelScope()
+        assert server.cancel_on_close(stream.app_send, scope)
+        assert scope.cancel_called
+
+        async def other_send(message: Any) -> None:  # another ASGI server's send
+            pass
+
+        other = trio.CancelScope()
+        assert not server.cancel_on_close(other_send, other)  # the route watches receive itself
+        assert not other.cancel_called
+
+    trio.run(main)

@@ -22,9 +22,11 @@ envelope and headers: ``tests/api/test_direct_routes.py``):
 3. the API key (401);
 4. the method: ``POST`` (``OPTIONS`` answered as quart answers it, anything else 405 with
    ``Allow``);
-5. the route, in a nursery with a task that waits for ``http.disconnect``, which cancels the
-   route (quart-trio did the same): a client gone mid-request or mid-stream leaves the session's
-   block, which aborts it in the engine. hypercorn also sends ``http.disconnect`` once the
+5. the route, in a cancel scope that is cancelled when the client goes away (quart-trio did
+   the same): a client gone mid-request or mid-stream leaves the session's block, which aborts
+   it in the engine. Under hypercorn's HTTP/1.1 the connection's close cancels the scope
+   itself (``server.cancel_on_close``: no task per request); elsewhere a task waits for
+   ``http.disconnect`` and cancels it. hypercorn also sends ``http.disconnect`` once the
    response is complete; by then the route has finished.
 
 Errors become :func:`errors.error_of`'s answers before the response starts and events after
@@ -52,7 +54,7 @@ from trio_infer.api.protocol import (
 )
 from trio_infer.api.respond import TIMEOUT_HEADER, complete, open_stream, request_timeout
 from trio_infer.api.state import ServerState
-from trio_infer.server import body_writer
+from trio_infer.server import body_writer, cancel_on_close
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -163,6 +165,11 @@ async def serve(path: str, scope: dict[str, Any], receive: Receive, send: Send,
             raise MethodNotAllowed(valid_methods=_ALLOW.split(", "))
     except Exception as exc:  # noqa: BLE001 - every error is an answer
         return await _send_error(send, error_of(exc), close=not body_read)
+    cancel = trio.CancelScope()
+    if cancel_on_close(send, cancel):  # hypercorn's HTTP/1.1: no watching task (server.py)
+        with cancel:
+            await _route(path, raw, headers, scope, send, state)
+        return
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
         try:
