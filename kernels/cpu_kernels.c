@@ -1474,6 +1474,133 @@ INLINE __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* With AVX-512, two blocks (b, b + 1) at a time: block b's lanes in the low 256 bits, block b +
+ * 1's in the high ones, so each vpdpbusd does 64 weights and each x's 4 bytes for both blocks
+ * come by one permute. Every integer sum is the 256-bit kernel's, and each lane's float ops
+ * (conversion, scale products) are lane-wise the same; the sums go into acc block by block in
+ * the same order (b, then b + 1) at 256 bits: the outputs are bitwise the AVX2 build's. */
+
+/* 32 bytes at p0 in the low half, 32 at p1 in the high half. */
+INLINE __m512i pair512(const uint8_t *p0, const uint8_t *p1) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p0)),
+                              _mm256_loadu_si256((const __m256i *)p1), 1);
+}
+
+/* v in both halves, and the high half of v (AVX512F alone: no AVX512DQ asked for). */
+INLINE __m512 twice256(__m256 v) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(v)),
+                                               _mm256_castps_pd(v), 1));
+}
+INLINE __m256 high256(__m512 v) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+INLINE void gemm_x8_fmt(int fmt, const uint8_t *g, int nb, int R, const int8_t *xq, size_t xb,
+                        const float *dx, const float *xs, size_t xsb, const int32_t *xi,
+                        float *out) {
+    const size_t ch = x8_chunk(fmt);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m256 acc[R8];
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int s = 0; s < nb / 8; s++) {
+        const uint8_t *c = g + (size_t)s * ch;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c + (fmt == FMT_Q6_K ? 1536 : 1024))));
+        const __m256 dmin = fmt == FMT_Q6_K ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c + 1040)));
+        const __m512 d2 = twice256(d), dmin2 = twice256(dmin);
+        for (int j = 0; j < 8; j += 2) {
+            const int b = 8 * s + j;
+            for (int jj = j; jj < j + 2; jj++) {
+                const char *pf = (const char *)c + PREFETCH_AHEAD + ch / 8 * jj;
+                _mm_prefetch(pf, _MM_HINT_T0);
+                _mm_prefetch(pf + 64, _MM_HINT_T0);
+                _mm_prefetch(pf + 128, _MM_HINT_T0);
+                if (fmt == FMT_Q6_K) _mm_prefetch(pf + 192, _MM_HINT_T0);
+            }
+            __m512i lo[4], hi[4];
+            _Pragma("GCC unroll 4")
+            for (int v = 0; v < 4; v++) {
+                const __m512i q = pair512(c + 128 * j + 32 * v, c + 128 * (j + 1) + 32 * v);
+                lo[v] = _mm512_and_si512(q, low4);
+                hi[v] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+            }
+            __m512 scale, mins = _mm512_setzero_ps();
+            __m512i sc_lo = _mm512_setzero_si512(), sc_hi = sc_lo;
+            if (fmt == FMT_Q6_K) {
+                const __m512i ha = pair512(c + 1024 + 64 * j, c + 1024 + 64 * (j + 1));
+                const __m512i hb = pair512(c + 1024 + 64 * j + 32, c + 1024 + 64 * (j + 1) + 32);
+                lo[0] = _mm512_or_si512(lo[0], _mm512_and_si512(_mm512_slli_epi16(ha, 4), bits45));
+                lo[1] = _mm512_or_si512(lo[1], _mm512_and_si512(_mm512_slli_epi16(ha, 2), bits45));
+                lo[2] = _mm512_or_si512(lo[2], _mm512_and_si512(ha, bits45));
+                lo[3] = _mm512_or_si512(lo[3], _mm512_and_si512(_mm512_srli_epi16(ha, 2), bits45));
+                hi[0] = _mm512_or_si512(hi[0], _mm512_and_si512(_mm512_slli_epi16(hb, 4), bits45));
+                hi[1] = _mm512_or_si512(hi[1], _mm512_and_si512(_mm512_slli_epi16(hb, 2), bits45));
+                hi[2] = _mm512_or_si512(hi[2], _mm512_and_si512(hb, bits45));
+                hi[3] = _mm512_or_si512(hi[3], _mm512_and_si512(_mm512_srli_epi16(hb, 2), bits45));
+                /* blocks j and j + 1's 8 scales each are adjacent: 16 bytes */
+                sc_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 1552 + 8 * j)));
+                sc_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 1616 + 8 * j)));
+                scale = d2;
+            } else {
+                scale = _mm512_mul_ps(d2, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(c + 1056 + 8 * j)))));
+                mins = _mm512_mul_ps(dmin2, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(c + 1120 + 8 * j)))));
+            }
+            const __m256 mins_a = _mm512_castps512_ps256(mins), mins_b = high256(mins);
+            _Pragma("GCC unroll 8")
+            for (int r = 0; r < R; r++) {
+                /* blocks b, b + 1 (b even): x_b[0:16], x_b+1[0:16], x_b[16:32], x_b+1[16:32] */
+                const int8_t *xp = xq + r * xb + (size_t)(b / 2) * 64;
+                /* 128-bit lanes: x_b[0:16], x_b[0:16], x_b+1[0:16], x_b+1[0:16] (and so for 16:32),
+                 * so an in-lane dword broadcast (vpshufd) gives each block's half its 4 bytes */
+                const __m512i xl0 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)xp));
+                const __m512i xh0 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xp + 32)));
+                const __m512i xl = _mm512_shuffle_i32x4(xl0, xl0, 0x50);
+                const __m512i xh = _mm512_shuffle_i32x4(xh0, xh0, 0x50);
+                __m512i a0, a1, h0, h1;
+                if (fmt == FMT_Q6_K) {
+                    const int32_t *xr = xi + ((size_t)r * nb + b) * XI_PER_BLOCK;
+                    /* xr[0], xr[1]: block b's halves; xr[2], xr[3]: block b + 1's */
+                    a0 = _mm512_inserti64x4(_mm512_set1_epi32(-32 * xr[0]), _mm256_set1_epi32(-32 * xr[2]), 1);
+                    h0 = _mm512_inserti64x4(_mm512_set1_epi32(-32 * xr[1]), _mm256_set1_epi32(-32 * xr[3]), 1);
+                } else {
+                    a0 = h0 = _mm512_setzero_si512();
+                }
+                a1 = h1 = _mm512_setzero_si512();
+                a0 = _mm512_dpbusd_epi32(a0, lo[0], _mm512_shuffle_epi32(xl, 0x00));
+                a1 = _mm512_dpbusd_epi32(a1, lo[1], _mm512_shuffle_epi32(xl, 0x55));
+                h0 = _mm512_dpbusd_epi32(h0, hi[0], _mm512_shuffle_epi32(xh, 0x00));
+                h1 = _mm512_dpbusd_epi32(h1, hi[1], _mm512_shuffle_epi32(xh, 0x55));
+                a0 = _mm512_dpbusd_epi32(a0, lo[2], _mm512_shuffle_epi32(xl, 0xAA));
+                a1 = _mm512_dpbusd_epi32(a1, lo[3], _mm512_shuffle_epi32(xl, 0xFF));
+                h0 = _mm512_dpbusd_epi32(h0, hi[2], _mm512_shuffle_epi32(xh, 0xAA));
+                h1 = _mm512_dpbusd_epi32(h1, hi[3], _mm512_shuffle_epi32(xh, 0xFF));
+                /* dx of blocks b and b + 1 (adjacent) to their halves */
+                const __m512 dxv = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(
+                    _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(dx + (size_t)r * nb + b)))));
+                __m512i t;
+                if (fmt == FMT_Q6_K)
+                    t = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(a0, a1), sc_lo),
+                                         _mm512_mullo_epi32(_mm512_add_epi32(h0, h1), sc_hi));
+                else
+                    t = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(h0, h1));
+                const __m512 tf = _mm512_cvtepi32_ps(t), m = _mm512_mul_ps(scale, dxv);
+                acc[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(tf), _mm512_castps512_ps256(m), acc[r]);
+                if (fmt != FMT_Q6_K)
+                    acc[r] = _mm256_fnmadd_ps(mins_a, _mm256_set1_ps(xs[r * xsb + b]), acc[r]);
+                acc[r] = _mm256_fmadd_ps(high256(tf), high256(m), acc[r]);
+                if (fmt != FMT_Q6_K)
+                    acc[r] = _mm256_fnmadd_ps(mins_b, _mm256_set1_ps(xs[r * xsb + b + 1]), acc[r]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + X8 * r, acc[r]);
+}
+#else
 INLINE void gemm_x8_fmt(int fmt, const uint8_t *g, int nb, int R, const int8_t *xq, size_t xb,
                         const float *dx, const float *xs, size_t xsb, const int32_t *xi,
                         float *out) {
@@ -1562,6 +1689,7 @@ INLINE void gemm_x8_fmt(int fmt, const uint8_t *g, int nb, int R, const int8_t *
     _Pragma("GCC unroll 8")
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + X8 * r, acc[r]);
 }
+#endif
 
 /* With R a constant in each case, so acc[] lives in registers. */
 #define GEMM_X8_CASES(F) \

@@ -541,8 +541,9 @@ def test_exact_rows_of_parts_in_different_formats_do_not_depend_on_their_batch(r
                     reason="compiles the library a second time (~20-50 s): TRIO_INFER_KERNEL_BUILDS=1")
 def test_every_build_gives_the_same_bits(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The library built for AVX2 alone (no AVX-512: the old way of merging Q5_x's bit 4 and
-    Q6_K's bits 4-5 into the codes) gives bitwise this machine's build's products, exact, int16
-    and int8, at 1, 3 and 9 rows of x, and the same packed bytes: the instruction sets change
+    Q6_K's bits 4-5 into the codes, one block a pass in the x8 GEMM) gives bitwise this
+    machine's build's products, exact, int16 and int8, at 1, 3 and 9 rows of x (the x8 GEMM at
+    1, 3, 9 and 33), and the same packed bytes: the instruction sets change
     how the integer codes are made, never the codes or the order of the float sums. Where this
     CPU has no AVX-512 the two builds are one and the test says so."""
     import ctypes
@@ -566,3 +567,9 @@ def test_every_build_gives_the_same_bits(tmp_path, monkeypatch: pytest.MonkeyPat
                 want = native.linear(x, packed[0].with_activations(acts), None, 1)
                 got = avx2.linear(x, packed[1].with_activations(acts), None, 1)
                 assert torch.equal(got, want), (fmt, acts, m)
+        if fmt in cpu.X8_FORMATS:  # the x8 GEMM: two blocks a pass with AVX-512, one without
+            for m in (1, 3, 9, 33):
+                x = torch.randn(m, k, generator=g)
+                want = native.linear(x, x8_twin(packed[0]), None, 1)
+                got = avx2.linear(x, x8_twin(packed[1]), None, 1)
+                assert torch.equal(got, want), (fmt, "x8", m)
