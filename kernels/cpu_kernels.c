@@ -1474,6 +1474,15 @@ INLINE __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
+/* The bytes of block j of an x8 group (``c``, ``ch`` bytes a group) PREFETCH_AHEAD ahead. */
+INLINE void prefetch_x8_block(int fmt, const uint8_t *c, size_t ch, int j) {
+    const char *pf = (const char *)c + PREFETCH_AHEAD + ch / 8 * j;
+    _mm_prefetch(pf, _MM_HINT_T0);
+    _mm_prefetch(pf + 64, _MM_HINT_T0);
+    _mm_prefetch(pf + 128, _MM_HINT_T0);
+    if (fmt == FMT_Q6_K) _mm_prefetch(pf + 192, _MM_HINT_T0);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* With AVX-512, two blocks (b, b + 1) at a time: block b's lanes in the low 256 bits, block b +
  * 1's in the high ones, so each vpdpbusd does 64 weights and each x's 4 bytes for both blocks
@@ -1512,13 +1521,8 @@ INLINE void gemm_x8_fmt(int fmt, const uint8_t *g, int nb, int R, const int8_t *
         const __m512 d2 = twice256(d), dmin2 = twice256(dmin);
         for (int j = 0; j < 8; j += 2) {
             const int b = 8 * s + j;
-            for (int jj = j; jj < j + 2; jj++) {
-                const char *pf = (const char *)c + PREFETCH_AHEAD + ch / 8 * jj;
-                _mm_prefetch(pf, _MM_HINT_T0);
-                _mm_prefetch(pf + 64, _MM_HINT_T0);
-                _mm_prefetch(pf + 128, _MM_HINT_T0);
-                if (fmt == FMT_Q6_K) _mm_prefetch(pf + 192, _MM_HINT_T0);
-            }
+            prefetch_x8_block(fmt, c, ch, j);
+            prefetch_x8_block(fmt, c, ch, j + 1);
             __m512i lo[4], hi[4];
             _Pragma("GCC unroll 4")
             for (int v = 0; v < 4; v++) {
@@ -1615,11 +1619,7 @@ INLINE void gemm_x8_fmt(int fmt, const uint8_t *g, int nb, int R, const int8_t *
         const __m256 dmin = fmt == FMT_Q6_K ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c + 1040)));
         for (int j = 0; j < 8; j++) {
             const int b = 8 * s + j;
-            const char *pf = (const char *)c + PREFETCH_AHEAD + ch / 8 * j;
-            _mm_prefetch(pf, _MM_HINT_T0);
-            _mm_prefetch(pf + 64, _MM_HINT_T0);
-            _mm_prefetch(pf + 128, _MM_HINT_T0);
-            if (fmt == FMT_Q6_K) _mm_prefetch(pf + 192, _MM_HINT_T0);
+            prefetch_x8_block(fmt, c, ch, j);
             __m256i lo[4], hi[4];
             _Pragma("GCC unroll 4")
             for (int v = 0; v < 4; v++) {

@@ -349,7 +349,7 @@ class _IdleTimer:
             self._start()
 
     def _start(self) -> None:
-        if self._started or self._ended or self._task_group is None:
+        if self._started or self._ended:
             return
         stream = self._server.stream
         if isinstance(stream, trio.SocketStream) and stream.socket.fileno() == -1:
