@@ -48,19 +48,26 @@ FORMATS = {
     "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
 }
 # Bumped with cpu_kernels.c's tri_abi_version whenever the ctypes boundary changes.
-ABI_VERSION = 5
+ABI_VERSION = 6
 # How the kernels multiply x with quantized weights (cpu_kernels.c, lin_activations): exact fp32;
 # or x rounded per 32-block to int16 (decode-sized products of Q4_0, Q4_1, Q4_K, Q6_K, Q8_0) or
 # to int8 (every product of every block format, llama.cpp's numerics). The tolerances are in
 # docs/kernels.md; 16-bit float weights always multiply exactly.
 ACTIVATIONS = {"exact": 0, "int16": 1, "int8": 2}
 # How a packed weight's rows lie in memory (cpu_kernels.c): "rows", each row's blocks together
-# (every kernel reads it); or "x8", groups of 8 rows interleaved so that the int8 GEMM puts one
+# (every kernel reads it); "x8", groups of 8 rows interleaved so that the int8 GEMM puts one
 # output row in each SIMD lane (no horizontal sums), read only with int8 activations, for the
-# formats in X8_FORMATS. One layout per tensor, converted in place: never two copies.
-LAYOUTS = ("rows", "x8")
+# formats in X8_FORMATS; or "x16", groups of 16 rows interleaved for the exact kernels (one row
+# a lane, every sum bitwise the row layout's), read only with exact activations, for the
+# formats in X16_FORMATS. One layout per tensor, converted in place: never two copies.
+LAYOUTS = ("rows", "x8", "x16")
 X8_FORMATS = ("Q4_K", "Q6_K")
-_FMT_X8 = 0x100  # cpu_kernels.c's FMT_X8 flag on a tri_lin format
+X16_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+# cpu_kernels.c's flags on a tri_lin format for a part in that layout, and its rows a group.
+_LAYOUT_FLAGS = {"rows": 0, "x8": 0x100, "x16": 0x200}
+_GROUP_ROWS = {"x8": 8, "x16": 16}
+# What each grouped layout is read with, and the formats that have it.
+_LAYOUT_NEEDS = {"x8": ("int8", X8_FORMATS), "x16": ("exact", X16_FORMATS)}
 
 
 class BuildError(RuntimeError):
@@ -189,7 +196,8 @@ class PackedWeight:
     in_features: int
     # One of ACTIVATIONS: how x is multiplied with these weights.
     activations: str = "exact"
-    # One of LAYOUTS; "x8" only for X8_FORMATS with int8 activations (see with_layout).
+    # One of LAYOUTS; "x8" only for X8_FORMATS with int8 activations, "x16" only for
+    # X16_FORMATS with exact ones (see with_layout).
     layout: str = "rows"
 
     def __post_init__(self) -> None:
@@ -197,9 +205,15 @@ class PackedWeight:
             raise ValueError(f"activations {self.activations!r}: one of {', '.join(ACTIVATIONS)}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r}: one of {', '.join(LAYOUTS)}")
-        if self.layout == "x8" and (self.fmt not in X8_FORMATS or self.activations != "int8"):
-            raise ValueError(f"the x8 layout is read only with int8 activations, for "
-                             f"{', '.join(X8_FORMATS)} (not {self.fmt} with {self.activations})")
+        if self.layout != "rows" and not self._takes(self.layout):
+            activations, formats = _LAYOUT_NEEDS[self.layout]
+            raise ValueError(f"the {self.layout} layout is read only with {activations} "
+                             f"activations, for {', '.join(formats)} (not {self.fmt} with "
+                             f"{self.activations})")
+
+    def _takes(self, layout: str) -> bool:
+        activations, formats = _LAYOUT_NEEDS[layout]
+        return self.fmt in formats and self.activations == activations
 
     @classmethod
     def from_blocks(cls, fmt: str, blocks: torch.Tensor | np.ndarray, in_features: int,
@@ -244,15 +258,20 @@ class PackedWeight:
         """This weight in ``layout``, its bytes converted **in place** (the same memory, never a
         second copy; this descriptor no longer describes them, so the caller replaces it
         everywhere it is held). "x8" is taken by the formats in :data:`X8_FORMATS` with int8
-        activations and at least 8 rows; any other weight stays in rows."""
+        activations and at least 8 rows, "x16" by those in :data:`X16_FORMATS` with exact
+        activations and at least 16 rows; any other weight stays in rows."""
         if layout not in LAYOUTS:
             raise ValueError(f"layout {layout!r}: one of {', '.join(LAYOUTS)}")
-        if layout == "x8" and (self.fmt not in X8_FORMATS or self.activations != "int8"
-                               or self.out_features < 8):
+        if layout != "rows" and (not self._takes(layout)
+                                 or self.out_features < _GROUP_ROWS[layout]):
             layout = "rows"
         if layout == self.layout:
             return self
-        _kernels().relayout(self, to_x8=layout == "x8", threads=torch.get_num_threads())
+        kernels, threads = _kernels(), torch.get_num_threads()
+        if self.layout != "rows":
+            kernels.relayout(self, self.layout, to_layout=False, threads=threads)
+        if layout != "rows":
+            kernels.relayout(self, layout, to_layout=True, threads=threads)
         return dataclasses.replace(self, layout=layout)
 
 
@@ -296,7 +315,8 @@ class PackedParts:
 
     @property
     def layout(self) -> str:
-        return "x8" if any(p.layout == "x8" for p in self.parts) else "rows"
+        """The grouped layout of any part ("rows" where none is grouped)."""
+        return next((p.layout for p in self.parts if p.layout != "rows"), "rows")
 
     def with_layout(self, layout: str) -> PackedParts:
         """Asked of every part, each converted in place where it takes it (see
@@ -350,8 +370,8 @@ def _lin(w: Packed, bias: torch.Tensor | None) -> _Lin:
 
 
 def _fmt_code(w: PackedWeight) -> int:
-    """The format as cpu_kernels.c takes it: the ggml type id, with FMT_X8 for the x8 layout."""
-    return FORMATS[w.fmt] | (_FMT_X8 if w.layout == "x8" else 0)
+    """The format as cpu_kernels.c takes it: the ggml type id, with its layout's flag."""
+    return FORMATS[w.fmt] | _LAYOUT_FLAGS[w.layout]
 
 
 def _kv_f16(cache: torch.Tensor) -> int:
@@ -376,7 +396,7 @@ class CpuKernels:
             "tri_linear": (_I, [ctypes.POINTER(_Lin), _P, _I, _P, _I]),
             "tri_few_rows_exact": (_I, []),
             "tri_dequant_rows": (_I, [_I, _P, _SZ, _P, _I, _I, _P, _I64]),
-            "tri_relayout": (_I, [_I, _P, _I64, _I, _SZ, _I, _I]),
+            "tri_relayout": (_I, [_I, _P, _I64, _I, _SZ, _I, _I, _I]),
             "tri_rms_norm": (None, [_P, _P, _P, _P, _I, _I, _F, _P, _I]),
             "tri_silu_and_mul": (None, [_P, _I, _I, _P, _I]),
             "tri_rope_store": (
@@ -446,16 +466,17 @@ class CpuKernels:
             raise ValueError(f"tri_dequant_rows rejected {w.fmt} rows of {w.in_features}")
         return out
 
-    def relayout(self, w: PackedWeight, to_x8: bool, threads: int) -> None:
-        """``w``'s bytes, in place, from the row layout to x8 (``to_x8``) or back."""
+    def relayout(self, w: PackedWeight, layout: str, to_layout: bool, threads: int) -> None:
+        """``w``'s bytes, in place, from the row layout to ``layout`` (``to_layout``) or back."""
         if not w.data.is_contiguous():
             raise ValueError("only a contiguous packed weight changes layout")
         rc = self._lib.tri_relayout(FORMATS[w.fmt], w.data.data_ptr(), w.out_features,
-                                    w.in_features, w.data.stride(0), int(to_x8), threads)
+                                    w.in_features, w.data.stride(0), _LAYOUT_FLAGS[layout],
+                                    int(to_layout), threads)
         if rc == -2:
             raise MemoryError("tri_relayout could not allocate its scratch")
         if rc != 0:
-            raise ValueError(f"{w.fmt} [{w.out_features}, {w.in_features}] has no x8 layout")
+            raise ValueError(f"{w.fmt} [{w.out_features}, {w.in_features}] has no {layout} layout")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None, threads: int,

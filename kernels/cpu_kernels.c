@@ -51,7 +51,7 @@ enum {
 };
 
 /* Bumped whenever a struct or signature of the ctypes boundary changes; kernels/cpu.py checks it. */
-int tri_abi_version(void) { return 5; }
+int tri_abi_version(void) { return 6; }
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -423,19 +423,115 @@ static void x8_to_row(int fmt, const uint8_t *g, int r, int nb, uint8_t *row) {
     }
 }
 
-/* Packed rows [rows, row_bytes] of ``fmt`` converted in place between the row layout and x8
- * (``to_x8``: 1 rows -> x8, 0 back). Returns 0, or -1 for a format without x8 or a bad size. */
-int tri_relayout(int fmt, uint8_t *data, int64_t rows, int K, size_t row_bytes, int to_x8,
-                 int nthreads) {
+/* -- the 16-row interleaved layout (x16), for the exact kernels ---------------------------------
+ *
+ * The exact row kernel (dot_row) sums each block's 32 products as 8 lanes of partial sums, then
+ * adds the lanes, scales the sum and adds it into the row's total: per block and row of x, a
+ * horizontal reduction, a store and a reload next to its 4 FMAs. x16 puts one weight row in
+ * each 32-bit lane instead (16 rows a group: a 512-bit vector's lanes, two 256-bit vectors'
+ * without AVX-512), so a block's codes of 16 rows widen to floats with one instruction per 16
+ * weights and every sum of dot_row is made lane by lane, with x broadcast: the same products,
+ * the same FMAs and the same additions in the same order for each (weight row, x row), only no
+ * reduction across lanes. The results are bitwise dot_row's (tested), which is why the exact
+ * path can take this layout where it has the kernel: a sequence's logits stay those of the row
+ * layout, of any batch, of any build.
+ *
+ * A part's first rows / 16 * 16 rows are groups of 16, each taking the bytes of its 16 rows; the
+ * last rows % 16 stay in rows. A group is a chunk per unit (a block of 32 weights; a super-block
+ * of 256 for the K-quants) holding, for its blocks j in order, the codes as segments of 16 bytes
+ * (segment s: one byte of each of the 16 rows, row r at byte r), then the scales:
+ *   4-bit codes (Q4_0, Q4_1, Q4_K, Q6_K's low bits): 16 segments a block, segment 2i the rows'
+ *        nibble byte i (weights i and 16 + i), segment 2i + 1 their byte 8 + i (8 + i, 24 + i);
+ *   Q8_0: 32 segments a block, segment 4i + j the rows' code byte 8j + i;
+ *   Q6_K: after the 8 blocks' codes, 8 segments a block, segment i the rows' plane byte i;
+ *   then Q4_0, Q8_0: fp16 d[16]; Q4_1: d[16], m[16]; Q4_K: d[16], dmin[16], sc[8][16],
+ *        mn[8][16]; Q6_K: d[16], the first halves' scales [8][16], the second halves' [8][16]. */
+
+#define X16 16
+#define FMT_X16 0x200  /* in tri_lin.fmt: the part is in the x16 layout */
+
+static inline int x16_format(int fmt) {
+    return fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q8_0 || fmt == FMT_Q4_K || fmt == FMT_Q6_K;
+}
+
+/* Blocks of a unit, and bytes of one unit's chunk of a group. */
+static inline int x16_unit_blocks(int fmt) { return is_kquant(fmt) ? 8 : 1; }
+static inline size_t x16_chunk(int fmt) {
+    const int nbu = x16_unit_blocks(fmt);
+    return X16 * (nbu * (size_t)(code_bytes(fmt) + plane_bytes(fmt)) + meta_bytes(fmt, nbu));
+}
+/* Where a chunk's scales start. */
+static inline size_t x16_meta_at(int fmt) {
+    return X16 * (size_t)x16_unit_blocks(fmt) * (code_bytes(fmt) + plane_bytes(fmt));
+}
+
+/* Row r of a group <-> its row-layout bytes (``row``, of nb blocks): to the group with
+ * ``to_group``, else back. */
+static void x16_move_row(int fmt, uint8_t *row, int nb, uint8_t *g, int r, int to_group) {
+    const int nbu = x16_unit_blocks(fmt), cb = code_bytes(fmt);
+    const size_t ch = x16_chunk(fmt), M = x16_meta_at(fmt);
+    uint8_t *planes = row + (size_t)nb * cb, *meta = row + (size_t)nb * (cb + plane_bytes(fmt));
+#define X16_MOVE(group_at, row_at) \
+    do { if (to_group) (group_at) = (row_at); else (row_at) = (group_at); } while (0)
+    for (int u = 0; u < nb / nbu; u++) {
+        uint8_t *c = g + (size_t)u * ch;
+        for (int j = 0; j < nbu; j++) {
+            const int b = u * nbu + j;
+            uint8_t *codes = c + (size_t)j * X16 * cb;
+            for (int t = 0; t < cb; t++) {
+                const int s = cb == 16 ? (t < 8 ? 2 * t : 2 * (t - 8) + 1) : 4 * (t % 8) + t / 8;
+                X16_MOVE(codes[16 * s + r], row[(size_t)b * cb + t]);
+            }
+            if (fmt == FMT_Q6_K)
+                for (int i = 0; i < 8; i++)
+                    X16_MOVE(c[X16 * 8 * 16 + 128 * j + 16 * i + r], planes[8 * (size_t)b + i]);
+        }
+        uint8_t *m = c + M;
+        if (fmt == FMT_Q4_K || fmt == FMT_Q6_K) {
+            uint8_t *rm = meta + (size_t)u * (fmt == FMT_Q6_K ? 18 : 20);
+            X16_MOVE(m[2 * r], rm[0]);
+            X16_MOVE(m[2 * r + 1], rm[1]);
+            const int first = fmt == FMT_Q6_K ? 2 : 4, at = fmt == FMT_Q6_K ? 32 : 64;
+            if (fmt == FMT_Q4_K) {
+                X16_MOVE(m[32 + 2 * r], rm[2]);
+                X16_MOVE(m[32 + 2 * r + 1], rm[3]);
+            }
+            for (int j = 0; j < 8; j++) {
+                X16_MOVE(m[at + 16 * j + r], rm[first + j]);
+                X16_MOVE(m[at + 128 + 16 * j + r], rm[first + 8 + j]);
+            }
+        } else {
+            X16_MOVE(m[2 * r], meta[2 * (size_t)u]);
+            X16_MOVE(m[2 * r + 1], meta[2 * (size_t)u + 1]);
+            if (has_min(fmt)) {
+                X16_MOVE(m[32 + 2 * r], meta[2 * (size_t)nb + 2 * u]);
+                X16_MOVE(m[32 + 2 * r + 1], meta[2 * (size_t)nb + 2 * u + 1]);
+            }
+        }
+    }
+#undef X16_MOVE
+}
+
+/* Rows a group of the layout in ``fmt``'s flags holds (1: the row layout). */
+static inline int layout_rows(int fmt) {
+    return fmt & FMT_X8 ? X8 : fmt & FMT_X16 ? X16 : 1;
+}
+
+/* Packed rows [rows, row_bytes] of ``fmt`` converted in place between the row layout and
+ * ``layout`` (FMT_X8 or FMT_X16): to it with ``to_layout``, else back. Returns 0, -1 for a
+ * format without that layout or a bad size, -2 without scratch memory. */
+int tri_relayout(int fmt, uint8_t *data, int64_t rows, int K, size_t row_bytes, int layout,
+                 int to_layout, int nthreads) {
     const size_t rb = tri_row_bytes(fmt, K);
-    if (!x8_format(fmt) || rb == 0 || row_bytes != rb || rows < 0)
+    const int ok = layout == FMT_X8 ? x8_format(fmt) : layout == FMT_X16 ? x16_format(fmt) : 0;
+    if (!ok || rb == 0 || row_bytes != rb || rows < 0)
         return -1;
-    const int nb = K / 32;
-    const int64_t groups = rows / X8;
+    const int nb = K / 32, G = layout_rows(layout);
+    const int64_t groups = rows / G;
     int rc = 0;
     #pragma omp parallel num_threads(nthreads)
     {
-        uint8_t *tmp = malloc(X8 * rb);
+        uint8_t *tmp = malloc(G * rb);
         if (!tmp) {
             #pragma omp atomic write
             rc = -2;
@@ -443,25 +539,33 @@ int tri_relayout(int fmt, uint8_t *data, int64_t rows, int K, size_t row_bytes, 
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             if (!tmp) continue;
-            uint8_t *at = data + (size_t)g * X8 * rb;
-            memcpy(tmp, at, X8 * rb);
-            if (to_x8)
-                x8_from_rows(fmt, tmp, rb, nb, at);
-            else
-                for (int r = 0; r < X8; r++) x8_to_row(fmt, tmp, r, nb, at + r * rb);
+            uint8_t *at = data + (size_t)g * G * rb;
+            memcpy(tmp, at, G * rb);
+            for (int r = 0; r < G; r++) {
+                if (G == X8 && to_layout && r == 0) x8_from_rows(fmt, tmp, rb, nb, at);
+                else if (G == X8 && !to_layout) x8_to_row(fmt, tmp, r, nb, at + r * rb);
+                else if (G == X16 && to_layout) x16_move_row(fmt, tmp + r * rb, nb, at, r, 1);
+                else if (G == X16) x16_move_row(fmt, at + r * rb, nb, tmp, r, 0);
+            }
         }
         free(tmp);
     }
     return rc;
 }
 
-/* Row n of a packed tensor (``fmt`` with FMT_X8 where it is in the x8 layout of ``rows`` rows)
- * in the row layout: the row itself, or copied out of its group into ``buf`` (rb bytes). */
+/* Row n of a packed tensor (``fmt`` with FMT_X8 or FMT_X16 where it is in that layout, of
+ * ``rows`` rows) in the row layout: the row itself, or copied out of its group into ``buf`` (rb
+ * bytes). */
 static const uint8_t *row_in_row_layout(int fmt, const uint8_t *w, size_t rb, int64_t rows,
                                         int64_t n, int K, uint8_t *buf) {
-    if (!(fmt & FMT_X8) || n >= rows / X8 * X8)
+    const int G = layout_rows(fmt);
+    if (G == 1 || n >= rows / G * G)
         return w + (size_t)n * rb;
-    x8_to_row(fmt & 0xFF, w + (size_t)(n / X8) * X8 * rb, (int)(n % X8), K / 32, buf);
+    const uint8_t *g = w + (size_t)(n / G) * G * rb;
+    if (G == X8)
+        x8_to_row(fmt & 0xFF, g, (int)(n % G), K / 32, buf);
+    else
+        x16_move_row(fmt & 0xFF, buf, K / 32, (uint8_t *)g, (int)(n % G), 0);
     return buf;
 }
 
@@ -833,11 +937,13 @@ INLINE float dot_row_fmt(int fmt, const uint8_t *row, size_t rb, const float *x,
         prefetch_group(row, rb, b, nb);
         acc = group_f32(fmt, row, meta, nb, b, x, xsum, acc);
     }
-    float tail = 0.0f;  /* the last nb % 8 blocks (none for the K-quants), one at a time */
+    /* the last nb % 8 blocks (none for the K-quants), one at a time; fmaf, not a * b + c * d,
+     * so that the compiler's contraction cannot pick the order (dot_x16 repeats it) */
+    float tail = 0.0f;
     for (; b < nb; b++) {
         float s0, s1, off;
         block_affine(fmt, meta, nb, b, &s0, &s1, &off);
-        tail += hsum(block_dot_ps(fmt, row, nb, b, x + (size_t)b * 32, NULL)) * s0 + off * xsum[b];
+        tail += fmaf(hsum(block_dot_ps(fmt, row, nb, b, x + (size_t)b * 32, NULL)), s0, off * xsum[b]);
     }
     return hsum(acc) + tail;
 }
@@ -942,8 +1048,8 @@ INLINE void dot_rows_fmt(int fmt, const uint8_t *row, size_t rb, const float *x,
         block_affine(fmt, meta, nb, b, &s0, &s1, &off);
         block_codes_q6(fmt, row, nb, b, f, 0);
         for (int r = 0; r < R; r++)
-            tail[r] += hsum(codes_dot_ps(fmt, f, x + r * ldx + (size_t)b * 32, NULL)) * s0
-                     + off * xsum[r * ldxs + b];
+            tail[r] += fmaf(hsum(codes_dot_ps(fmt, f, x + r * ldx + (size_t)b * 32, NULL)), s0,
+                            off * xsum[r * ldxs + b]);
     }
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + tail[r];
 }
@@ -975,6 +1081,198 @@ static void dot_rows(int fmt, const uint8_t *row, size_t rb, const float *x, siz
 }
 #undef DOT_ROWS_FMT
 #undef DOT_ROWS_R
+
+/* -- a few rows of x times a group of 16 weight rows in x16, bitwise dot_row ----------------------
+ *
+ * Lane r of every vector is weight row r of the group (16 lanes with AVX-512F; without it each
+ * half of the group in turn, 8 lanes). For block b and a row of x, P[i] (i < 8) is dot_row's
+ * partial sum i, made with the same operations lane by lane: code(i) x[i], then FMAs of
+ * code(8 + i) x[8 + i], code(16 + i) x[16 + i], code(24 + i) x[24 + i] (Q6_K: its two halves
+ * apart, then scaled as group_f32 does); the block's sum adds them in reduce8_ps's order
+ * ((P0 + P1) + (P2 + P3)) + ((P4 + P5) + (P6 + P7)), or in hsum's for a block past the last
+ * whole group of 8 ((P0 + P4) + (P2 + P6)) + ((P1 + P5) + (P3 + P7)): the pairs come in the
+ * order X16_ORDER lists. The scaled block sums go into acc[b % 8], as they go into dot_row's
+ * lane b % 8, and the row's result adds those 8 in hsum's order, then the tail. */
+
+#ifdef __AVX512F__
+typedef __m512 lf;
+typedef __m512i li;
+#define LW 16
+#define L_U8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define L_I8(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define L_HALF(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define L_CVT _mm512_cvtepi32_ps
+#define L_ANDC(a, c) _mm512_and_si512((a), _mm512_set1_epi32(c))
+#define L_OR _mm512_or_si512
+#define L_SRL _mm512_srli_epi32
+#define L_SLL _mm512_slli_epi32
+#define L_FMA _mm512_fmadd_ps
+#define L_MUL _mm512_mul_ps
+#define L_ADD _mm512_add_ps
+#define L_SET1 _mm512_set1_ps
+#define L_ZERO _mm512_setzero_ps
+#define L_NEG(a) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000u)))
+#define L_STORE _mm512_storeu_ps
+#else
+typedef __m256 lf;
+typedef __m256i li;
+#define LW 8
+#define L_U8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define L_I8(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define L_HALF(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define L_CVT _mm256_cvtepi32_ps
+#define L_ANDC(a, c) _mm256_and_si256((a), _mm256_set1_epi32(c))
+#define L_OR _mm256_or_si256
+#define L_SRL _mm256_srli_epi32
+#define L_SLL _mm256_slli_epi32
+#define L_FMA _mm256_fmadd_ps
+#define L_MUL _mm256_mul_ps
+#define L_ADD _mm256_add_ps
+#define L_SET1 _mm256_set1_ps
+#define L_ZERO _mm256_setzero_ps
+#define L_NEG(a) _mm256_xor_ps((a), _mm256_set1_ps(-0.0f))
+#define L_STORE _mm256_storeu_ps
+#endif
+
+/* The codes of partial sum i of a block (weights i, 8 + i, 16 + i, 24 + i) for the lanes from
+ * byte ``h`` of each segment, as floats; Q6_K's not centred (its -32 comes through x's sums). */
+INLINE void x16_codes(int fmt, const uint8_t *codes, const uint8_t *planes, int i, int h, lf f[4]) {
+    if (fmt == FMT_Q8_0) {
+        for (int j = 0; j < 4; j++) f[j] = L_CVT(L_I8(codes + 16 * (4 * i + j) + h));
+        return;
+    }
+    const li a = L_U8(codes + 16 * (2 * i) + h), b = L_U8(codes + 16 * (2 * i + 1) + h);
+    li c[4] = {L_ANDC(a, 15), L_ANDC(b, 15), L_SRL(a, 4), L_SRL(b, 4)};
+    if (fmt == FMT_Q6_K) {  /* plane byte i: bits 2j, 2j + 1 are bits 4-5 of weight i + 8j */
+        const li p = L_U8(planes + 16 * i + h);
+        c[0] = L_OR(c[0], L_ANDC(L_SLL(p, 4), 0x30));
+        c[1] = L_OR(c[1], L_ANDC(L_SLL(p, 2), 0x30));
+        c[2] = L_OR(c[2], L_ANDC(p, 0x30));
+        c[3] = L_OR(c[3], L_ANDC(L_SRL(p, 2), 0x30));
+    }
+    for (int j = 0; j < 4; j++) f[j] = L_CVT(c[j]);
+}
+
+/* The order in which a block's 8 partial sums are added in pairs: reduce8_ps's (a whole group
+ * of 8 blocks) and hsum's (a block past it). */
+static const int X16_ORDER[2][8] = {{0, 1, 2, 3, 4, 5, 6, 7}, {0, 4, 2, 6, 1, 5, 3, 7}};
+
+/* Block b of group g (``c``: its unit's chunk) for R rows of x, for the lanes from ``h``: its
+ * partial sums added in X16_ORDER[tail]'s pairs, scaled, and added into acc[r][b % 8] (a block
+ * of a whole group of 8) or tail[r] (a block past them), as dot_row does. */
+INLINE void x16_block(int fmt, const uint8_t *c, int nb, int b, int tail_block, int h,
+                      const float *x, size_t ldx, const float *xsum, size_t ldxs, int R,
+                      lf acc[][8], lf *tail) {
+    const int j = b % x16_unit_blocks(fmt);
+    const uint8_t *codes = c + (size_t)j * X16 * code_bytes(fmt), *m = c + x16_meta_at(fmt);
+    const uint8_t *planes = c + X16 * 8 * 16 + 128 * (size_t)j;
+    /* the block's scales (Q6_K: of its halves) and offsets, lane by lane as dot_row makes them */
+    lf scale, off, shi = L_ZERO();
+    if (fmt == FMT_Q4_K) {
+        scale = L_MUL(L_HALF(m + 2 * h), L_CVT(L_U8(m + 64 + 16 * j + h)));
+        off = L_MUL(L_NEG(L_HALF(m + 32 + 2 * h)), L_CVT(L_U8(m + 192 + 16 * j + h)));
+    } else if (fmt == FMT_Q6_K) {
+        const lf d = L_HALF(m + 2 * h);
+        scale = L_MUL(d, L_CVT(L_I8(m + 32 + 16 * j + h)));
+        shi = L_MUL(d, L_CVT(L_I8(m + 160 + 16 * j + h)));
+        off = L_ZERO();
+    } else {
+        scale = L_HALF(m + 2 * h);
+        off = has_min(fmt) ? L_HALF(m + 32 + 2 * h)
+            : fmt == FMT_Q4_0 ? L_MUL(scale, L_SET1(-8.0f)) : L_ZERO();
+    }
+    const int *order = X16_ORDER[tail_block];
+    lf s0[ROWS_MAX], s1[ROWS_MAX];
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+        lf f[2][4];
+        x16_codes(fmt, codes, planes, order[2 * p], h, f[0]);
+        x16_codes(fmt, codes, planes, order[2 * p + 1], h, f[1]);
+        for (int r = 0; r < R; r++) {
+            const float *xb = x + r * ldx + 32 * (size_t)b;
+            lf q[2];
+            #pragma GCC unroll 2
+            for (int e = 0; e < 2; e++) {
+                const int i = order[2 * p + e];
+                lf lo = L_FMA(f[e][1], L_SET1(xb[8 + i]), L_MUL(f[e][0], L_SET1(xb[i])));
+                if (fmt == FMT_Q6_K) {
+                    const lf hi = L_FMA(f[e][3], L_SET1(xb[24 + i]), L_MUL(f[e][2], L_SET1(xb[16 + i])));
+                    q[e] = L_FMA(hi, shi, L_MUL(lo, scale));
+                } else {
+                    lo = L_FMA(f[e][2], L_SET1(xb[16 + i]), lo);
+                    q[e] = L_FMA(f[e][3], L_SET1(xb[24 + i]), lo);
+                }
+            }
+            const lf pair = L_ADD(q[0], q[1]);
+            if (p == 0) s0[r] = pair;
+            else if (p == 1) s0[r] = L_ADD(s0[r], pair);
+            else if (p == 2) s1[r] = pair;
+            else s1[r] = L_ADD(s1[r], pair);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const lf s = L_ADD(s0[r], s1[r]);
+        const float *xs = xsum + r * ldxs;
+        if (tail_block) {  /* dot_row's tail: tail + (sum * scale + offset * sum(x)) */
+            tail[r] = L_ADD(tail[r], L_FMA(s, scale, L_MUL(off, L_SET1(xs[b]))));
+        } else if (fmt == FMT_Q6_K) {
+            const float *halves = xs + nb + 16 * (size_t)(b / 8) + b % 8;
+            const lf o = L_FMA(scale, L_SET1(halves[0]), L_MUL(shi, L_SET1(halves[8])));
+            acc[r][b % 8] = L_ADD(acc[r][b % 8], L_FMA(o, L_SET1(-32.0f), s));
+        } else {
+            acc[r][b % 8] = L_FMA(s, scale, acc[r][b % 8]);
+            if (fmt != FMT_Q8_0)
+                acc[r][b % 8] = L_FMA(off, L_SET1(xs[b]), acc[r][b % 8]);
+        }
+    }
+}
+
+/* out[r * 16 + t] = dot(row t of group g, x row r) for r < R (<= ROWS_MAX), exact: each value
+ * bitwise dot_row's for that weight row and that row of x. */
+INLINE void dot_x16_fmt(int fmt, const uint8_t *g, int nb, const float *x, size_t ldx,
+                        const float *xsum, size_t ldxs, int R, float *out) {
+    const int nbu = x16_unit_blocks(fmt), whole = nb / 8 * 8;
+    const size_t ch = x16_chunk(fmt), per_block = ch / nbu;
+    for (int h = 0; h < X16; h += LW) {
+        lf acc[ROWS_MAX][8], tail[ROWS_MAX];
+        for (int r = 0; r < R; r++) {
+            tail[r] = L_ZERO();
+            for (int j = 0; j < 8; j++) acc[r][j] = L_ZERO();
+        }
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *c = g + (size_t)(b / nbu) * ch;
+            /* the group's bytes stream in order: a block's share of them, PREFETCH_AHEAD on */
+            if (h == 0) {
+                const char *ahead = (const char *)g + (size_t)b * per_block + PREFETCH_AHEAD;
+                for (size_t l = 0; l < per_block; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+            }
+            if (b < whole)
+                x16_block(fmt, c, nb, b, 0, h, x, ldx, xsum, ldxs, R, acc, tail);
+            else
+                x16_block(fmt, c, nb, b, 1, h, x, ldx, xsum, ldxs, R, acc, tail);
+        }
+        for (int r = 0; r < R; r++) {
+            const lf *a = acc[r];
+            const lf s = L_ADD(L_ADD(L_ADD(a[0], a[4]), L_ADD(a[2], a[6])),
+                               L_ADD(L_ADD(a[1], a[5]), L_ADD(a[3], a[7])));
+            L_STORE(out + r * X16 + h, L_ADD(s, tail[r]));
+        }
+    }
+}
+
+#define DOT_X16_FMT(F) dot_x16_fmt(F, g, nb, x, ldx, xsum, ldxs, R, out); break;
+
+static void dot_x16(int fmt, const uint8_t *g, int nb, const float *x, size_t ldx,
+                    const float *xsum, size_t ldxs, int R, float *out) {
+    switch (fmt) {
+    case FMT_Q4_0: DOT_X16_FMT(FMT_Q4_0)
+    case FMT_Q4_1: DOT_X16_FMT(FMT_Q4_1)
+    case FMT_Q8_0: DOT_X16_FMT(FMT_Q8_0)
+    case FMT_Q4_K: DOT_X16_FMT(FMT_Q4_K)
+    default: DOT_X16_FMT(FMT_Q6_K)
+    }
+}
+#undef DOT_X16_FMT
 
 /* Per row of x: nb = K / 32 block sums, then for each whole group of 8 blocks the sums of their
  * first halves (8) and of their second halves (8): XSUM_PER_BLOCK floats a block. */
@@ -1790,12 +2088,16 @@ static int lin_valid(const tri_lin *L) {
     int n = 0;
     for (int p = 0; p < L->nparts; p++) {
         const int fmt = L->fmt[p] & 0xFF, x8 = (L->fmt[p] & FMT_X8) != 0;
+        const int x16 = (L->fmt[p] & FMT_X16) != 0;
         const size_t need = tri_row_bytes(fmt, L->K);
         if (need == 0 || L->row_bytes[p] < need || L->rows[p] < 0 || !L->w[p]
-            || (L->fmt[p] & ~(0xFF | FMT_X8)))
+            || (L->fmt[p] & ~(0xFF | FMT_X8 | FMT_X16)) || (x8 && x16))
             return 0;
-        /* x8: only the int8 kernels read it, and its groups are whole rows apart */
+        /* x8: only the int8 kernels read it; x16: only the exact ones; both in groups of whole
+         * rows, with no gap between rows */
         if (x8 && (!x8_format(fmt) || L->activations != ACT_INT8 || L->row_bytes[p] != need))
+            return 0;
+        if (x16 && (!x16_format(fmt) || L->activations != ACT_EXACT || L->row_bytes[p] != need))
             return 0;
         n += L->rows[p];
     }
@@ -1835,27 +2137,90 @@ static void lin_rows_of_thread(const tri_lin *L, int *n0, int *n1) {
     *n1 = bounds[1];
 }
 
+/* Row n of W moved back to the start of its x8 or x16 group where it falls in one, so that
+ * threads share out whole groups (every thread rounds the same boundaries the same way). */
+static int group_start(const tri_lin *L, int n) {
+    int p = 0, at = 0;
+    while (p + 1 < L->nparts && n - at >= L->rows[p]) at += L->rows[p++];
+    const int i = n - at, G = layout_rows(L->fmt[p]);
+    if (i < L->rows[p] / G * G)
+        return at + i / G * G;
+    return n;
+}
+
 /* What a few-rows product needs of x before the threads start: the float sums of x's blocks,
  * and with int16 activations x rounded to int16 (qx) with a scale per block (dx). */
-static void linear_prep(int fmt, const float *x, int M, int K, float *xsum, uint8_t *qx, float *dx) {
+static void linear_prep_omp(int fmt, const float *x, int M, int K, float *xsum, uint8_t *qx, float *dx) {
     const int nb = K / 32;
+    #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) {
         block_sums(x + (size_t)m * K, K, xsum + (size_t)m * nb * XSUM_PER_BLOCK);
         if (qx) quantize_row_q16(fmt, x + (size_t)m * K, K, qx + m * qx_row_bytes(K), dx + (size_t)m * nb);
     }
 }
 
-/* few_rows(M), after linear_prep: exact (dot_row for one row of x, dot_rows for more: each
- * row's result bitwise dot_row's), or with x rounded to int16 (dot_row_q16) when qx is given. */
+/* 1 if row n of W starts a whole group of 16 rows in x16. */
+static int x16_group_at(const tri_lin *L, int n) {
+    int p = 0;
+    while (p + 1 < L->nparts && n >= L->rows[p]) n -= L->rows[p++];
+    return (L->fmt[p] & FMT_X16) && n % X16 == 0 && n + X16 <= L->rows[p];
+}
+
+/* 1 if row n of W lies in a group of 16 rows in x16 (dot_x16 takes it, at any M). */
+static int in_x16_group(const tri_lin *L, int n) {
+    int p = 0;
+    while (p + 1 < L->nparts && n >= L->rows[p]) n -= L->rows[p++];
+    return (L->fmt[p] & FMT_X16) && n < L->rows[p] / X16 * X16;
+}
+
+/* The exact products of the rows in x16 groups, for any number of rows of x (after the prep):
+ * each thread's groups, MB rows of x a pass (so that a pass's x stays in L2 while the groups
+ * stream), ROWS_MAX rows of x per call of dot_x16. Each value is bitwise dot_row's. */
+static void linear_x16_omp(const tri_lin *L, const float *x, int M, float *y, const float *xsum) {
+    const int K = L->K, N = L->N, nb = K / 32;
+    const size_t xsb = (size_t)nb * XSUM_PER_BLOCK;
+    int n0, n1;
+    lin_rows_of_thread(L, &n0, &n1);
+    n0 = group_start(L, n0);
+    n1 = group_start(L, n1);
+    for (int m0 = 0; m0 < M; m0 += MB) {
+        const int m1 = m0 + MB < M ? m0 + MB : M;
+        for (int n = n0; n < n1; n++) {
+            if (!x16_group_at(L, n))
+                continue;
+            int fmt;
+            size_t rb;
+            const uint8_t *g = lin_row(L, n, &fmt, &rb);
+            for (int r0 = m0; r0 < m1; r0 += ROWS_MAX) {
+                const int R = m1 - r0 < ROWS_MAX ? m1 - r0 : ROWS_MAX;
+                float out[ROWS_MAX * X16];
+                dot_x16(fmt & 0xFF, g, nb, x + (size_t)r0 * K, K, xsum + r0 * xsb, xsb, R, out);
+                for (int r = 0; r < R; r++)
+                    for (int t = 0; t < X16; t++)
+                        y[(size_t)(r0 + r) * N + n + t] = out[X16 * r + t] + (L->bias ? L->bias[n + t] : 0.0f);
+            }
+            n += X16 - 1;
+        }
+    }
+}
+
+/* few_rows(M), after the prep, the rows outside x16 groups: exact (dot_row for one row of x,
+ * dot_rows for more: each row's result bitwise dot_row's), or with x rounded to int16
+ * (dot_row_q16) when qx is given. */
 static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *y,
                                 const float *xsum, const uint8_t *qx, const float *dx) {
     const int K = L->K, N = L->N, nb = K / 32;
     int n0, n1;
     lin_rows_of_thread(L, &n0, &n1);
+    n0 = group_start(L, n0);
+    n1 = group_start(L, n1);
     for (int n = n0; n < n1; n++) {
         int fmt;
         size_t rb;
         const uint8_t *row = lin_row(L, n, &fmt, &rb);
+        if (in_x16_group(L, n))  /* linear_x16_omp's */
+            continue;
+        fmt &= 0xFF;
         if (!qx && M > 1) {  /* up to ROWS_MAX rows of x per unpacking of the row */
             for (int m0 = 0; m0 < M; m0 += ROWS_MAX) {
                 const int R = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
@@ -1874,11 +2239,11 @@ static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *
             y[(size_t)m * N + n] = dot + (L->bias ? L->bias[n] : 0.0f);
         }
     }
-    #pragma omp barrier
 }
 
-/* The same product for more rows: tiles of NT weight rows dequantized into L1 (``bufs``: NT * K
- * floats per thread), MB rows of x per pass. A tile never spans two parts. */
+/* The same product for more rows, the rows outside x16 groups: tiles of NT weight rows
+ * dequantized into L1 (``bufs``: NT * K floats per thread), MB rows of x per pass. A tile never
+ * spans two parts. */
 static void linear_tiles_omp(const tri_lin *L, const float *x, int M, float *y, float *bufs) {
     const int K = L->K, N = L->N;
     int tiles[MAX_PARTS + 1] = {0};  /* tiles before part p */
@@ -1891,13 +2256,15 @@ static void linear_tiles_omp(const tri_lin *L, const float *x, int M, float *y, 
             int p = 0, n0 = 0;
             while (ti >= tiles[p + 1]) n0 += L->rows[p++];
             const int r0 = (ti - tiles[p]) * NT;
+            if (in_x16_group(L, n0 + r0))  /* linear_x16_omp's (a tile never spans a group) */
+                continue;
             const int nt = L->rows[p] - r0 < NT ? L->rows[p] - r0 : NT;
             for (int t = 0; t < nt; t++)
-                dequant_row(L->fmt[p], L->w[p] + (size_t)(r0 + t) * L->row_bytes[p], K, buf + (size_t)t * K);
+                dequant_row(L->fmt[p] & 0xFF, L->w[p] + (size_t)(r0 + t) * L->row_bytes[p], K,
+                            buf + (size_t)t * K);
             tile(x, K, m0, m1, K, buf, nt, L->bias, y, N, n0 + r0);
         }
     }
-    #pragma omp barrier
 }
 
 /* Scratch of a product of up to M rows of up to K columns on ``threads`` threads. */
@@ -1931,17 +2298,6 @@ static void half_sums_q8(const int8_t *xq, int nb, int32_t *xi) {
     }
 }
 
-/* Row n of W moved back to the start of its x8 group where it falls in one, so that threads
- * share out whole groups (every thread rounds the same boundaries the same way). */
-static int x8_group_start(const tri_lin *L, int n) {
-    int p = 0, at = 0;
-    while (p + 1 < L->nparts && n - at >= L->rows[p]) at += L->rows[p++];
-    const int i = n - at;
-    if ((L->fmt[p] & FMT_X8) && i < L->rows[p] / X8 * X8)
-        return at + i / X8 * X8;
-    return n;
-}
-
 /* Any number of rows with int8 activations: every row of x prepared (block sums, int8 rows),
  * then each thread's weight rows multiplied with R8 rows of x at a time, MB rows of x per pass
  * (a pass's prepared x stays in L2): a group of 8 rows of an x8 part by gemm_x8, any other row
@@ -1959,8 +2315,8 @@ static void linear_q8_omp(const tri_lin *L, const float *x, int M, float *y, con
     }
     int n0, n1;
     lin_rows_of_thread(L, &n0, &n1);
-    n0 = x8_group_start(L, n0);
-    n1 = x8_group_start(L, n1);
+    n0 = group_start(L, n0);
+    n1 = group_start(L, n1);
     for (int m0 = 0; m0 < M; m0 += MB) {
         const int m1 = m0 + MB < M ? m0 + MB : M;
         for (int n = n0; n < n1;) {
@@ -2005,13 +2361,18 @@ static void linear_omp(const tri_lin *L, const float *x, int M, float *y, const 
         linear_q8_omp(L, x, M, y, s);
         return;
     }
-    if (!few_rows(M, q16)) {
+    int any_x16 = 0;
+    for (int p = 0; p < L->nparts; p++) any_x16 |= (L->fmt[p] & FMT_X16) != 0;
+    const int few = few_rows(M, q16);
+    if (few || any_x16)
+        linear_prep_omp(L->fmt[0] & 0xFF, x, M, L->K, s->xsum, q16 ? s->qx : NULL, s->dx);
+    if (any_x16)
+        linear_x16_omp(L, x, M, y, s->xsum);
+    if (few)
+        linear_few_rows_omp(L, x, M, y, s->xsum, q16 ? s->qx : NULL, s->dx);
+    else
         linear_tiles_omp(L, x, M, y, s->tiles);
-        return;
-    }
-    #pragma omp single
-    linear_prep(L->fmt[0], x, M, L->K, s->xsum, q16 ? s->qx : NULL, s->dx);
-    linear_few_rows_omp(L, x, M, y, s->xsum, q16 ? s->qx : NULL, s->dx);
+    #pragma omp barrier
 }
 
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the layer L describes. With int16 activations, up
@@ -2038,11 +2399,14 @@ int tri_dequant_rows(int fmt, const uint8_t *w, size_t row_bytes, const int64_t 
                      int K, float *out, int64_t total_rows) {
     const int base = fmt & 0xFF;
     const size_t rb = tri_row_bytes(base, K);
-    if (rb == 0 || row_bytes < rb || (fmt & ~(0xFF | FMT_X8))
-        || ((fmt & FMT_X8) && (!x8_format(base) || row_bytes != rb)))
+    if (rb == 0 || row_bytes < rb || (fmt & ~(0xFF | FMT_X8 | FMT_X16))
+        || ((fmt & FMT_X8) && (fmt & FMT_X16))
+        || ((fmt & FMT_X8) && (!x8_format(base) || row_bytes != rb))
+        || ((fmt & FMT_X16) && (!x16_format(base) || row_bytes != rb)))
         return -1;
-    uint8_t *buf = (fmt & FMT_X8) ? malloc(rb) : NULL;
-    if ((fmt & FMT_X8) && !buf)
+    const int grouped = (fmt & (FMT_X8 | FMT_X16)) != 0;
+    uint8_t *buf = grouped ? malloc(rb) : NULL;
+    if (grouped && !buf)
         return -2;
     for (int i = 0; i < n; i++)
         dequant_row(base, row_in_row_layout(fmt, w, row_bytes, total_rows, rows[i], K, buf), K,
@@ -2546,10 +2910,10 @@ typedef struct {
     int num_layers, H, Hq, Hkv, D, I, page_size;
     int kv_f16;               /* the KV cache's values are fp16 (else fp32) */
     float eps, scale;
-    int embed_fmt;            /* a block format (with FMT_X8 in that layout), or 0: fp32 rows of H floats */
+    int embed_fmt;            /* a block format (with FMT_X8 or FMT_X16 in that layout), or 0: fp32 rows */
     const uint8_t *embed;
     size_t embed_row_bytes;
-    int64_t embed_rows;       /* the table's rows (where its x8 groups end) */
+    int64_t embed_rows;       /* the table's rows (where its groups end) */
     const float *final_norm;
     tri_lin lm_head;
     const float *cos_sin;
@@ -2636,9 +3000,11 @@ int tri_model_valid(const tri_model *m) {
     const int H = m->H, QKV = (m->Hq + 2 * m->Hkv) * m->D;
     if (m->num_layers < 1 || m->D % 8 || m->Hkv < 1 || m->Hq % m->Hkv || m->page_size < 1)
         return 0;
-    if (m->embed_fmt && (tri_row_bytes(m->embed_fmt & 0xFF, H) == 0 || (m->embed_fmt & ~(0xFF | FMT_X8))
-                         || ((m->embed_fmt & FMT_X8) && (!x8_format(m->embed_fmt & 0xFF)
-                                                          || m->embed_row_bytes != tri_row_bytes(m->embed_fmt & 0xFF, H)))))
+    const int ef = m->embed_fmt, eb = ef & 0xFF;
+    if (ef && (tri_row_bytes(eb, H) == 0 || (ef & ~(0xFF | FMT_X8 | FMT_X16))
+               || ((ef & FMT_X8) && (ef & FMT_X16))
+               || ((ef & FMT_X8) && !x8_format(eb)) || ((ef & FMT_X16) && !x16_format(eb))
+               || ((ef & (FMT_X8 | FMT_X16)) && m->embed_row_bytes != tri_row_bytes(eb, H))))
         return 0;
     if (!lin_valid(&m->lm_head) || m->lm_head.K != H)
         return 0;

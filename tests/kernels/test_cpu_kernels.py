@@ -493,6 +493,91 @@ def test_x8_rows_of_x_do_not_depend_on_their_batch(fmt: str) -> None:
     assert torch.equal(ops.linear(x[5:14], w), whole[5:14])
 
 
+# --- the 16-row interleaved layout (x16) of the exact kernels ------------------------------------
+
+
+def x16_twin(packed: PackedWeight) -> PackedWeight:
+    """The same weight in the x16 layout (exact activations), from a copy of its bytes."""
+    return PackedWeight(packed.fmt, packed.data.clone(), packed.in_features).with_layout("x16")
+
+
+@pytest.mark.parametrize("fmt", cpu.X16_FORMATS)
+@pytest.mark.parametrize("n", [16, 37, 70])  # one group; 2 groups and 5 rows; 4 groups and 6 rows
+def test_x16_layout_keeps_every_value(fmt: str, n: int) -> None:
+    """The conversion is in place and loses no bit: rows read back out of their groups (the
+    embedding lookup) are gguf's values, and converting back gives the row layout's bytes."""
+    g = torch.Generator().manual_seed(n)
+    packed, dense = packed_random(fmt, n, widths(fmt)[1], g)
+    x16 = x16_twin(packed)
+    assert x16.layout == "x16" and x16.nbytes == packed.nbytes
+    assert not torch.equal(x16.data[: n // 16 * 16], packed.data[: n // 16 * 16])  # it did move
+    assert torch.equal(x16.data[n // 16 * 16:], packed.data[n // 16 * 16:])  # the last n % 16
+    ids = torch.tensor([0, 15, min(16, n - 1), n - 1, 3, n // 2])
+    assert torch.equal(ops.embedding(ids, x16), dense[ids])
+    assert torch.equal(x16.with_layout("rows").data, packed.data)
+
+
+@pytest.mark.parametrize("fmt", cpu.X16_FORMATS)
+def test_x16_products_are_the_one_row_kernels_bitwise(fmt: str) -> None:
+    """A row in an x16 group gives, at every number of rows of x (1 to 130: the 8-row chunks and
+    64-row passes) and on 1 or 2 threads, bitwise what the row layout's one-row kernel gives that
+    row of x alone: the same products and additions in the same order, one weight row a lane.
+    The rows left in rows (n % 16) give the row layout's own product at that M; every value is
+    close to a float64 product."""
+    g = torch.Generator().manual_seed(500 + FORMATS[fmt])
+    for k in widths(fmt):  # Q4_0, Q4_1, Q8_0: 3 blocks, and 18 (2 past the last group of 8)
+        packed, dense = packed_random(fmt, 37, k, g)
+        x16 = x16_twin(packed)
+        b = torch.randn(37, generator=g)
+        x = torch.randn(130, k, generator=g)
+        alone = torch.stack([ops.linear(x[i:i + 1], packed, b)[0] for i in range(130)])
+        want = x.double() @ dense.double().T + b.double()
+        for m in (1, 2, 3, 5, 6, 9, 130):
+            for threads in (1, 2):
+                got = cpu.require().linear(x[:m], x16, b, threads)
+                assert torch.equal(got[:, :32], alone[:m, :32]), (fmt, k, m, threads)
+                assert torch.equal(got[:, 32:], ops.linear(x[:m], packed, b)[:, 32:])
+                torch.testing.assert_close(got.double(), want[:m], rtol=1e-5,
+                                           atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_x16_parts_in_different_formats_are_one_product(m: int) -> None:
+    """Q4_K_M's q/k/v with v in Q6_K, each in x16 (one with rows not a multiple of 16), next to a
+    Q5_K part that has no x16 and stays in rows: one call, each part read in its own layout,
+    the rows in x16 groups bitwise the row layout's one-row product, the others the row
+    layout's own product at that M."""
+    g = torch.Generator().manual_seed(m)
+    parts = [packed_random(fmt, n, 512, g) for fmt, n in (("Q4_K", 40), ("Q5_K", 16), ("Q6_K", 16))]
+    rows = PackedParts(tuple(p for p, _ in parts))
+    fused = PackedParts(tuple(PackedWeight(p.fmt, p.data.clone(), p.in_features)
+                              for p in rows.parts)).with_layout("x16")
+    assert [p.layout for p in fused.parts] == ["x16", "rows", "x16"]
+    x, b = torch.randn(m, 512, generator=g), torch.randn(72, generator=g)
+    got = ops.linear(x, fused, b)
+    # rows 32-39 (Q4_K's last 8) and 40-55 (Q5_K) are in the row layout
+    assert torch.equal(got[:, 32:56], ops.linear(x, rows, b)[:, 32:56])
+    for i in range(m):
+        alone = ops.linear(x[i:i + 1], rows, b)[0]
+        assert torch.equal(got[i, :32], alone[:32]) and torch.equal(got[i, 56:], alone[56:]), i
+
+
+def test_x16_is_taken_only_where_it_is_read() -> None:
+    """x16 is read only by the exact kernels, for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K with at least
+    16 rows: any other weight stays in rows, and an x16 weight refuses other activations."""
+    g = torch.Generator().manual_seed(4)
+    q4k, _ = packed_random("Q4_K", 16, 256, g)
+    assert q4k.with_activations("int16").with_layout("x16").layout == "rows"
+    q50, _ = packed_random("Q5_0", 16, 256, g)
+    assert q50.with_layout("x16") is q50
+    short, _ = packed_random("Q4_1", 15, 256, g)
+    assert short.with_layout("x16") is short
+    x16 = x16_twin(q4k)
+    with pytest.raises(ValueError, match="x16 layout"):
+        x16.with_activations("int8")
+    assert x16.with_layout("rows").with_activations("int8").with_layout("x8").layout == "x8"
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_exact_rows_of_x_do_not_depend_on_their_batch(fmt: str) -> None:
     """With exact activations, each row of a product of M rows below the few-rows limit (1 to 5
@@ -541,9 +626,9 @@ def test_exact_rows_of_parts_in_different_formats_do_not_depend_on_their_batch(r
                     reason="compiles the library a second time (~20-50 s): TRIO_INFER_KERNEL_BUILDS=1")
 def test_every_build_gives_the_same_bits(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The library built for AVX2 alone (no AVX-512: the old way of merging Q5_x's bit 4 and
-    Q6_K's bits 4-5 into the codes, one block a pass in the x8 GEMM) gives bitwise this
-    machine's build's products, exact, int16 and int8, at 1, 3 and 9 rows of x (the x8 GEMM at
-    1, 3, 9 and 33), and the same packed bytes: the instruction sets change
+    Q6_K's bits 4-5 into the codes, one block a pass in the x8 GEMM, 8 lanes a vector in x16)
+    gives bitwise this machine's build's products, exact, int16 and int8, at 1, 3 and 9 rows of
+    x (the x8 and x16 kernels at 1, 3, 9 and 33), and the same packed bytes: the instruction sets change
     how the integer codes are made, never the codes or the order of the float sums. Where this
     CPU has no AVX-512 the two builds are one and the test says so."""
     import ctypes
@@ -573,3 +658,9 @@ def test_every_build_gives_the_same_bits(tmp_path, monkeypatch: pytest.MonkeyPat
                 want = native.linear(x, x8_twin(packed[0]), None, 1)
                 got = avx2.linear(x, x8_twin(packed[1]), None, 1)
                 assert torch.equal(got, want), (fmt, "x8", m)
+        if fmt in cpu.X16_FORMATS:  # x16: 16 lanes a vector with AVX-512, two halves of 8 without
+            for m in (1, 3, 9, 33):
+                x = torch.randn(m, k, generator=g)
+                want = native.linear(x, x16_twin(packed[0]), None, 1)
+                got = avx2.linear(x, x16_twin(packed[1]), None, 1)
+                assert torch.equal(got, want), (fmt, "x16", m)
