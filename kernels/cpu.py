@@ -62,7 +62,7 @@ ACTIVATIONS = {"exact": 0, "int16": 1, "int8": 2}
 # formats in X16_FORMATS. One layout per tensor, converted in place: never two copies.
 LAYOUTS = ("rows", "x8", "x16")
 X8_FORMATS = ("Q4_K", "Q6_K")
-X16_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+X16_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # cpu_kernels.c's flags on a tri_lin format for a part in that layout, and its rows a group.
 _LAYOUT_FLAGS = {"rows": 0, "x8": 0x100, "x16": 0x200}
 _GROUP_ROWS = {"x8": 8, "x16": 16}

@@ -440,19 +440,19 @@ static void x8_to_row(int fmt, const uint8_t *g, int r, int nb, uint8_t *row) {
  * last rows % 16 stay in rows. A group is a chunk per unit (a block of 32 weights; a super-block
  * of 256 for the K-quants) holding, for its blocks j in order, the codes as segments of 16 bytes
  * (segment s: one byte of each of the 16 rows, row r at byte r), then the scales:
- *   4-bit codes (Q4_0, Q4_1, Q4_K, Q6_K's low bits): 16 segments a block, segment 2i the rows'
+ *   4-bit codes (all but Q8_0: the low 4 bits of 5- and 6-bit ones): 16 segments a block, segment 2i the rows'
  *        nibble byte i (weights i and 16 + i), segment 2i + 1 their byte 8 + i (8 + i, 24 + i);
  *   Q8_0: 32 segments a block, segment 4i + j the rows' code byte 8j + i;
- *   Q6_K: after the 8 blocks' codes, 8 segments a block, segment i the rows' plane byte i;
- *   then Q4_0, Q8_0: fp16 d[16]; Q4_1: d[16], m[16]; Q4_K: d[16], dmin[16], sc[8][16],
- *        mn[8][16]; Q6_K: d[16], the first halves' scales [8][16], the second halves' [8][16]. */
+ *   high bits, after the unit's codes: a segment per plane byte of a block (Q5_0, Q5_1, Q5_K: 4
+ *        a block, segment t the rows' byte t of bit 4; Q6_K: 8, segment i the rows' byte i);
+ *   then Q4_0, Q5_0, Q8_0: fp16 d[16]; Q4_1, Q5_1: d[16], m[16]; Q4_K, Q5_K: d[16], dmin[16],
+ *        sc[8][16], mn[8][16]; Q6_K: d[16], the first halves' scales [8][16], the second
+ *        halves' [8][16]. Every block format has it; 16-bit floats stay in rows. */
 
 #define X16 16
 #define FMT_X16 0x200  /* in tri_lin.fmt: the part is in the x16 layout */
 
-static inline int x16_format(int fmt) {
-    return fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q8_0 || fmt == FMT_Q4_K || fmt == FMT_Q6_K;
-}
+static inline int x16_format(int fmt) { return !is_16bit(fmt); }
 
 /* Blocks of a unit, and bytes of one unit's chunk of a group. */
 static inline int x16_unit_blocks(int fmt) { return is_kquant(fmt) ? 8 : 1; }
@@ -460,9 +460,12 @@ static inline size_t x16_chunk(int fmt) {
     const int nbu = x16_unit_blocks(fmt);
     return X16 * (nbu * (size_t)(code_bytes(fmt) + plane_bytes(fmt)) + meta_bytes(fmt, nbu));
 }
-/* Where a chunk's scales start. */
+/* Where a chunk's scales start, and where block j's high bits are in it. */
 static inline size_t x16_meta_at(int fmt) {
     return X16 * (size_t)x16_unit_blocks(fmt) * (code_bytes(fmt) + plane_bytes(fmt));
+}
+static inline size_t x16_planes_at(int fmt, int j) {
+    return X16 * ((size_t)x16_unit_blocks(fmt) * code_bytes(fmt) + (size_t)j * plane_bytes(fmt));
 }
 
 /* Row r of a group <-> its row-layout bytes (``row``, of nb blocks): to the group with
@@ -482,17 +485,16 @@ static void x16_move_row(int fmt, uint8_t *row, int nb, uint8_t *g, int r, int t
                 const int s = cb == 16 ? (t < 8 ? 2 * t : 2 * (t - 8) + 1) : 4 * (t % 8) + t / 8;
                 X16_MOVE(codes[16 * s + r], row[(size_t)b * cb + t]);
             }
-            if (fmt == FMT_Q6_K)
-                for (int i = 0; i < 8; i++)
-                    X16_MOVE(c[X16 * 8 * 16 + 128 * j + 16 * i + r], planes[8 * (size_t)b + i]);
+            for (int t = 0; t < plane_bytes(fmt); t++)
+                X16_MOVE(c[x16_planes_at(fmt, j) + 16 * t + r], planes[(size_t)plane_bytes(fmt) * b + t]);
         }
         uint8_t *m = c + M;
-        if (fmt == FMT_Q4_K || fmt == FMT_Q6_K) {
+        if (is_kquant(fmt)) {
             uint8_t *rm = meta + (size_t)u * (fmt == FMT_Q6_K ? 18 : 20);
             X16_MOVE(m[2 * r], rm[0]);
             X16_MOVE(m[2 * r + 1], rm[1]);
             const int first = fmt == FMT_Q6_K ? 2 : 4, at = fmt == FMT_Q6_K ? 32 : 64;
-            if (fmt == FMT_Q4_K) {
+            if (fmt != FMT_Q6_K) {
                 X16_MOVE(m[32 + 2 * r], rm[2]);
                 X16_MOVE(m[32 + 2 * r + 1], rm[3]);
             }
@@ -1135,8 +1137,11 @@ typedef __m256i li;
 #endif
 
 /* The codes of partial sum i of a block (weights i, 8 + i, 16 + i, 24 + i) for the lanes from
- * byte ``h`` of each segment, as floats; Q6_K's not centred (its -32 comes through x's sums). */
-INLINE void x16_codes(int fmt, const uint8_t *codes, const uint8_t *planes, int i, int h, lf f[4]) {
+ * byte ``h`` of each segment, as floats; Q6_K's not centred (its -32 comes through x's sums).
+ * ``bit4``: the 5-bit formats' plane bytes 0-3 of the lanes, shifted left by 4 (byte j's bit i
+ * is bit 4 of weight 8j + i). */
+INLINE void x16_codes(int fmt, const uint8_t *codes, const uint8_t *planes, const li bit4[4],
+                      int i, int h, lf f[4]) {
     if (fmt == FMT_Q8_0) {
         for (int j = 0; j < 4; j++) f[j] = L_CVT(L_I8(codes + 16 * (4 * i + j) + h));
         return;
@@ -1149,6 +1154,8 @@ INLINE void x16_codes(int fmt, const uint8_t *codes, const uint8_t *planes, int 
         c[1] = L_OR(c[1], L_ANDC(L_SLL(p, 2), 0x30));
         c[2] = L_OR(c[2], L_ANDC(p, 0x30));
         c[3] = L_OR(c[3], L_ANDC(L_SRL(p, 2), 0x30));
+    } else if (is_5bit(fmt)) {
+        for (int j = 0; j < 4; j++) c[j] = L_OR(c[j], L_ANDC(L_SRL(bit4[j], i), 0x10));
     }
     for (int j = 0; j < 4; j++) f[j] = L_CVT(c[j]);
 }
@@ -1165,10 +1172,13 @@ INLINE void x16_block(int fmt, const uint8_t *c, int nb, int b, int tail_block, 
                       lf acc[][8], lf *tail) {
     const int j = b % x16_unit_blocks(fmt);
     const uint8_t *codes = c + (size_t)j * X16 * code_bytes(fmt), *m = c + x16_meta_at(fmt);
-    const uint8_t *planes = c + X16 * 8 * 16 + 128 * (size_t)j;
+    const uint8_t *planes = c + x16_planes_at(fmt, j);
+    li bit4[4];
+    if (is_5bit(fmt))
+        for (int t = 0; t < 4; t++) bit4[t] = L_SLL(L_U8(planes + 16 * t + h), 4);
     /* the block's scales (Q6_K: of its halves) and offsets, lane by lane as dot_row makes them */
     lf scale, off, shi = L_ZERO();
-    if (fmt == FMT_Q4_K) {
+    if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) {
         scale = L_MUL(L_HALF(m + 2 * h), L_CVT(L_U8(m + 64 + 16 * j + h)));
         off = L_MUL(L_NEG(L_HALF(m + 32 + 2 * h)), L_CVT(L_U8(m + 192 + 16 * j + h)));
     } else if (fmt == FMT_Q6_K) {
@@ -1179,15 +1189,16 @@ INLINE void x16_block(int fmt, const uint8_t *c, int nb, int b, int tail_block, 
     } else {
         scale = L_HALF(m + 2 * h);
         off = has_min(fmt) ? L_HALF(m + 32 + 2 * h)
-            : fmt == FMT_Q4_0 ? L_MUL(scale, L_SET1(-8.0f)) : L_ZERO();
+            : fmt == FMT_Q4_0 ? L_MUL(scale, L_SET1(-8.0f))
+            : fmt == FMT_Q5_0 ? L_MUL(scale, L_SET1(-16.0f)) : L_ZERO();
     }
     const int *order = X16_ORDER[tail_block];
     lf s0[ROWS_MAX], s1[ROWS_MAX];
     #pragma GCC unroll 4
     for (int p = 0; p < 4; p++) {
         lf f[2][4];
-        x16_codes(fmt, codes, planes, order[2 * p], h, f[0]);
-        x16_codes(fmt, codes, planes, order[2 * p + 1], h, f[1]);
+        x16_codes(fmt, codes, planes, bit4, order[2 * p], h, f[0]);
+        x16_codes(fmt, codes, planes, bit4, order[2 * p + 1], h, f[1]);
         for (int r = 0; r < R; r++) {
             const float *xb = x + r * ldx + 32 * (size_t)b;
             lf q[2];
@@ -1268,7 +1279,10 @@ static void dot_x16(int fmt, const uint8_t *g, int nb, const float *x, size_t ld
     case FMT_Q4_0: DOT_X16_FMT(FMT_Q4_0)
     case FMT_Q4_1: DOT_X16_FMT(FMT_Q4_1)
     case FMT_Q8_0: DOT_X16_FMT(FMT_Q8_0)
+    case FMT_Q5_0: DOT_X16_FMT(FMT_Q5_0)
+    case FMT_Q5_1: DOT_X16_FMT(FMT_Q5_1)
     case FMT_Q4_K: DOT_X16_FMT(FMT_Q4_K)
+    case FMT_Q5_K: DOT_X16_FMT(FMT_Q5_K)
     default: DOT_X16_FMT(FMT_Q6_K)
     }
 }

@@ -544,18 +544,18 @@ def test_x16_products_are_the_one_row_kernels_bitwise(fmt: str) -> None:
 @pytest.mark.parametrize("m", [1, 3, 9])
 def test_x16_parts_in_different_formats_are_one_product(m: int) -> None:
     """Q4_K_M's q/k/v with v in Q6_K, each in x16 (one with rows not a multiple of 16), next to a
-    Q5_K part that has no x16 and stays in rows: one call, each part read in its own layout,
+    BF16 part that has no x16 and stays in rows: one call, each part read in its own layout,
     the rows in x16 groups bitwise the row layout's one-row product, the others the row
     layout's own product at that M."""
     g = torch.Generator().manual_seed(m)
-    parts = [packed_random(fmt, n, 512, g) for fmt, n in (("Q4_K", 40), ("Q5_K", 16), ("Q6_K", 16))]
+    parts = [packed_random(fmt, n, 512, g) for fmt, n in (("Q4_K", 40), ("BF16", 16), ("Q6_K", 16))]
     rows = PackedParts(tuple(p for p, _ in parts))
     fused = PackedParts(tuple(PackedWeight(p.fmt, p.data.clone(), p.in_features)
                               for p in rows.parts)).with_layout("x16")
     assert [p.layout for p in fused.parts] == ["x16", "rows", "x16"]
     x, b = torch.randn(m, 512, generator=g), torch.randn(72, generator=g)
     got = ops.linear(x, fused, b)
-    # rows 32-39 (Q4_K's last 8) and 40-55 (Q5_K) are in the row layout
+    # rows 32-39 (Q4_K's last 8) and 40-55 (BF16) are in the row layout
     assert torch.equal(got[:, 32:56], ops.linear(x, rows, b)[:, 32:56])
     for i in range(m):
         alone = ops.linear(x[i:i + 1], rows, b)[0]
@@ -563,13 +563,13 @@ def test_x16_parts_in_different_formats_are_one_product(m: int) -> None:
 
 
 def test_x16_is_taken_only_where_it_is_read() -> None:
-    """x16 is read only by the exact kernels, for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K with at least
-    16 rows: any other weight stays in rows, and an x16 weight refuses other activations."""
+    """x16 is read only by the exact kernels, for the block formats (not 16-bit floats) with at
+    least 16 rows: any other weight stays in rows, and an x16 weight refuses other activations."""
     g = torch.Generator().manual_seed(4)
     q4k, _ = packed_random("Q4_K", 16, 256, g)
     assert q4k.with_activations("int16").with_layout("x16").layout == "rows"
-    q50, _ = packed_random("Q5_0", 16, 256, g)
-    assert q50.with_layout("x16") is q50
+    f16, _ = packed_random("F16", 16, 256, g)
+    assert f16.with_layout("x16") is f16
     short, _ = packed_random("Q4_1", 15, 256, g)
     assert short.with_layout("x16") is short
     x16 = x16_twin(q4k)

@@ -477,8 +477,8 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.packed = self.model.embed_tokens.packed
         # Read in an interleaved layout (kernels.cpu.LAYOUTS), converted in place once loaded
         # (see load_weights): with int8 activations Q4_K and Q6_K weights in 8-row groups, with
-        # exact ones Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights in 16-row groups (bitwise the row
-        # layout's sums at one row of x, about twice as fast).
+        # exact ones every block format's weights in 16-row groups (bitwise the row layout's
+        # sums at one row of x, about twice as fast).
         self._weight_layout = {"int8": "x8", "exact": "x16"}.get(activations, "rows")
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
         # Pure decode steps on the CPU kernels run as one C call (kernels.ops.decode_step),
