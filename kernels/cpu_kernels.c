@@ -1271,7 +1271,15 @@ INLINE void dot_x16_fmt(int fmt, const uint8_t *g, int nb, const float *x, size_
     }
 }
 
-#define DOT_X16_FMT(F) dot_x16_fmt(F, g, nb, x, ldx, xsum, ldxs, R, out); break;
+/* dot_x16_fmt with the number of rows known at compile time (so each row's sums keep to
+ * registers), for the format at run time. */
+#define DOT_X16_R(F, RR) case RR: dot_x16_fmt(F, g, nb, x, ldx, xsum, ldxs, RR, out); break;
+#define DOT_X16_FMT(F) \
+    switch (R) { \
+    DOT_X16_R(F, 1) DOT_X16_R(F, 2) DOT_X16_R(F, 3) DOT_X16_R(F, 4) \
+    DOT_X16_R(F, 5) DOT_X16_R(F, 6) DOT_X16_R(F, 7) default: DOT_X16_R(F, 8) \
+    } \
+    break;
 
 static void dot_x16(int fmt, const uint8_t *g, int nb, const float *x, size_t ldx,
                     const float *xsum, size_t ldxs, int R, float *out) {
@@ -1287,6 +1295,7 @@ static void dot_x16(int fmt, const uint8_t *g, int nb, const float *x, size_t ld
     }
 }
 #undef DOT_X16_FMT
+#undef DOT_X16_R
 
 /* Per row of x: nb = K / 32 block sums, then for each whole group of 8 blocks the sums of their
  * first halves (8) and of their second halves (8): XSUM_PER_BLOCK floats a block. */
