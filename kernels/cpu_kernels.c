@@ -1056,15 +1056,19 @@ INLINE void dot_rows_fmt(int fmt, const uint8_t *row, size_t rb, const float *x,
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + tail[r];
 }
 
-/* dot_rows_fmt with the number of rows known at compile time (so each row's sums keep to
- * registers), for the format at run time. */
-#define DOT_ROWS_R(F, R) case R: dot_rows_fmt(F, row, rb, x, ldx, xsum, ldxs, K, R, out); break;
-#define DOT_ROWS_FMT(F) \
+/* A kernel of format F called with the number of rows R (1 to ROWS_MAX) known at compile
+ * time, so that each row's sums keep to registers: CALL(F, r) for each r. */
+#define SWITCH_ROWS(CALL, F) \
     switch (R) { \
-    DOT_ROWS_R(F, 1) DOT_ROWS_R(F, 2) DOT_ROWS_R(F, 3) DOT_ROWS_R(F, 4) \
-    DOT_ROWS_R(F, 5) DOT_ROWS_R(F, 6) DOT_ROWS_R(F, 7) default: DOT_ROWS_R(F, 8) \
+    case 1: CALL(F, 1); break; case 2: CALL(F, 2); break; case 3: CALL(F, 3); break; \
+    case 4: CALL(F, 4); break; case 5: CALL(F, 5); break; case 6: CALL(F, 6); break; \
+    case 7: CALL(F, 7); break; default: CALL(F, 8); break; \
     } \
     break;
+
+/* dot_rows_fmt for the format at run time. */
+#define DOT_ROWS_R(F, RR) dot_rows_fmt(F, row, rb, x, ldx, xsum, ldxs, K, RR, out)
+#define DOT_ROWS_FMT(F) SWITCH_ROWS(DOT_ROWS_R, F)
 
 static void dot_rows(int fmt, const uint8_t *row, size_t rb, const float *x, size_t ldx,
                      const float *xsum, size_t ldxs, int K, int R, float *out) {
@@ -1271,15 +1275,9 @@ INLINE void dot_x16_fmt(int fmt, const uint8_t *g, int nb, const float *x, size_
     }
 }
 
-/* dot_x16_fmt with the number of rows known at compile time (so each row's sums keep to
- * registers), for the format at run time. */
-#define DOT_X16_R(F, RR) case RR: dot_x16_fmt(F, g, nb, x, ldx, xsum, ldxs, RR, out); break;
-#define DOT_X16_FMT(F) \
-    switch (R) { \
-    DOT_X16_R(F, 1) DOT_X16_R(F, 2) DOT_X16_R(F, 3) DOT_X16_R(F, 4) \
-    DOT_X16_R(F, 5) DOT_X16_R(F, 6) DOT_X16_R(F, 7) default: DOT_X16_R(F, 8) \
-    } \
-    break;
+/* dot_x16_fmt for the format at run time (the rows at compile time: SWITCH_ROWS). */
+#define DOT_X16_R(F, RR) dot_x16_fmt(F, g, nb, x, ldx, xsum, ldxs, RR, out)
+#define DOT_X16_FMT(F) SWITCH_ROWS(DOT_X16_R, F)
 
 static void dot_x16(int fmt, const uint8_t *g, int nb, const float *x, size_t ldx,
                     const float *xsum, size_t ldxs, int R, float *out) {
@@ -2136,8 +2134,19 @@ static inline const uint8_t *lin_row(const tri_lin *L, int n, int *fmt, size_t *
     return L->w[p] + (size_t)n * L->row_bytes[p];
 }
 
+/* Row n of W moved back to the start of its x8 or x16 group where it falls in one, so that
+ * threads share out whole groups (every thread rounds the same boundaries the same way). */
+static int group_start(const tri_lin *L, int n) {
+    int p = 0, at = 0;
+    while (p + 1 < L->nparts && n - at >= L->rows[p]) at += L->rows[p++];
+    const int i = n - at, G = layout_rows(L->fmt[p]);
+    if (i < L->rows[p] / G * G)
+        return at + i / G * G;
+    return n;
+}
+
 /* This thread's rows of W, [*n0, *n1): contiguous, with as near an equal share of W's bytes as
- * whole rows allow. Parts in different formats differ in bytes a row (Q4_K_M's v in Q6_K, q
+ * whole rows (and whole x8 or x16 groups) allow. Parts in different formats differ in bytes a row (Q4_K_M's v in Q6_K, q
  * and k in Q4_K), and an equal share of rows would leave one thread the heavy part. */
 static void lin_rows_of_thread(const tri_lin *L, int *n0, int *n1) {
     const int t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -2154,21 +2163,10 @@ static void lin_rows_of_thread(const tri_lin *L, int *n0, int *n1) {
         }
         if (p < L->nparts)
             n += (int)((target - before + L->row_bytes[p] - 1) / L->row_bytes[p]);
-        bounds[e] = t + e == T ? L->N : n;
+        bounds[e] = t + e == T ? L->N : group_start(L, n);
     }
     *n0 = bounds[0];
     *n1 = bounds[1];
-}
-
-/* Row n of W moved back to the start of its x8 or x16 group where it falls in one, so that
- * threads share out whole groups (every thread rounds the same boundaries the same way). */
-static int group_start(const tri_lin *L, int n) {
-    int p = 0, at = 0;
-    while (p + 1 < L->nparts && n - at >= L->rows[p]) at += L->rows[p++];
-    const int i = n - at, G = layout_rows(L->fmt[p]);
-    if (i < L->rows[p] / G * G)
-        return at + i / G * G;
-    return n;
 }
 
 /* What a few-rows product needs of x before the threads start: the float sums of x's blocks,
@@ -2204,8 +2202,6 @@ static void linear_x16_omp(const tri_lin *L, const float *x, int M, float *y, co
     const size_t xsb = (size_t)nb * XSUM_PER_BLOCK;
     int n0, n1;
     lin_rows_of_thread(L, &n0, &n1);
-    n0 = group_start(L, n0);
-    n1 = group_start(L, n1);
     for (int m0 = 0; m0 < M; m0 += MB) {
         const int m1 = m0 + MB < M ? m0 + MB : M;
         for (int n = n0; n < n1; n++) {
@@ -2235,8 +2231,6 @@ static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *
     const int K = L->K, N = L->N, nb = K / 32;
     int n0, n1;
     lin_rows_of_thread(L, &n0, &n1);
-    n0 = group_start(L, n0);
-    n1 = group_start(L, n1);
     for (int n = n0; n < n1; n++) {
         int fmt;
         size_t rb;
@@ -2338,8 +2332,6 @@ static void linear_q8_omp(const tri_lin *L, const float *x, int M, float *y, con
     }
     int n0, n1;
     lin_rows_of_thread(L, &n0, &n1);
-    n0 = group_start(L, n0);
-    n1 = group_start(L, n1);
     for (int m0 = 0; m0 < M; m0 += MB) {
         const int m1 = m0 + MB < M ? m0 + MB : M;
         for (int n = n0; n < n1;) {

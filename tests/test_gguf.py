@@ -728,66 +728,41 @@ def test_k_quant_files_are_read_in_place(mix: str, tiny_checkpoint_factory: Chec
     assert model.one_call_decode
 
 
-def test_k_quant_file_with_int8_activations_reads_the_x8_layout(
-        tiny_checkpoint_factory: CheckpointFactory, tmp_path: Path) -> None:
-    """With int8 activations the Q4_K and Q6_K weights of a Q4_K_M-like file (a q/k/v of Q4_K
-    and Q6_K parts, the lm_head, the embedding) are interleaved by 8 rows once loaded; the
-    model's logits are those of the same weights in the row layout to fp32 rounding, and the
-    one-call decode step is still bitwise the op-by-op step."""
+@pytest.mark.parametrize(("activations", "layout"), [("int8", "x8"), ("exact", "x16")])
+def test_k_quant_file_reads_its_interleaved_layout(
+        activations: str, layout: str, tiny_checkpoint_factory: CheckpointFactory,
+        tmp_path: Path) -> None:
+    """The Q4_K and Q6_K weights of a Q4_K_M-like file (a q/k/v of Q4_K and Q6_K parts, the
+    lm_head, the embedding) are interleaved once loaded: by 8 rows with int8 activations, by 16
+    with exact ones (the default). The model's logits are those of the same weights in the row
+    layout to fp32 rounding; with x16, a prompt of up to 5 tokens (the row layout's few-rows
+    limit, past which it takes its tiles) gives them bitwise. The one-call decode step is still
+    bitwise the op-by-op step."""
     if cpu.load() is None:
         pytest.skip("the CPU kernels do not build here")
     checkpoint = tiny_checkpoint_factory("LlamaForCausalLM", **KQUANT_SHAPE)
     path = write_gguf(checkpoint, tmp_path / "q4_k_m.gguf", "F32",
                       random_blocks_of=lambda name: q4_k_m_like(name)
                       if name != "token_embd.weight" else "Q6_K")
-    model = load_model(path, activations="int8")
+    model = load_model(path, activations=activations)
     qkv0 = model.model.layers[0].self_attn.qkv_proj.packed
-    assert qkv0.fmt == "Q4_K+Q4_K+Q6_K" and [p.layout for p in qkv0.parts] == ["x8"] * 3
-    assert model.lm_head.packed.layout == "x8" and model.model.embed_tokens.packed.layout == "x8"
-    rows = load_model(path, activations="int8")
+    assert qkv0.fmt == "Q4_K+Q4_K+Q6_K" and [p.layout for p in qkv0.parts] == [layout] * 3
+    assert model.lm_head.packed.layout == layout
+    assert model.model.embed_tokens.packed.layout == layout
+    rows = load_model(path, activations=activations)
     for module in rows.modules():  # the same model with every weight back in rows
         if getattr(module, "packed", None) is not None:
             module.packed = module.packed.with_layout("rows")
     assert rows.model.layers[0].mlp.down_proj.packed.layout == "rows"
 
-    prompt = list(range(3, 40))
+    short, prompt = list(range(3, 8)), list(range(3, 40))
+    if layout == "x16":
+        assert torch.equal(prefill_logits(model, short), prefill_logits(rows, short))
     ours, theirs = prefill_logits(model, prompt), prefill_logits(rows, prompt)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * theirs.abs().max().item())
     assert_one_call_step_is_exact(model)
     assert model.one_call_decode
 
-
-
-def test_exact_activations_read_the_x16_layout(tiny_checkpoint_factory: CheckpointFactory,
-                                               tmp_path: Path) -> None:
-    """With exact activations (the default) the Q4_K and Q6_K weights of a Q4_K_M-like file (a
-    q/k/v of Q4_K and Q6_K parts, the lm_head, the embedding) are interleaved by 16 rows once
-    loaded. A prompt of up to 5 tokens (the row layout's few-rows limit) gives bitwise the
-    logits of the same weights in the row layout; a longer one, which the row layout takes
-    through its tiles, the same to fp32 rounding; the one-call decode step is still bitwise the
-    op-by-op step."""
-    if cpu.load() is None:
-        pytest.skip("the CPU kernels do not build here")
-    checkpoint = tiny_checkpoint_factory("LlamaForCausalLM", **KQUANT_SHAPE)
-    path = write_gguf(checkpoint, tmp_path / "q4_k_m.gguf", "F32",
-                      random_blocks_of=lambda name: q4_k_m_like(name)
-                      if name != "token_embd.weight" else "Q6_K")
-    model = load_model(path)
-    qkv0 = model.model.layers[0].self_attn.qkv_proj.packed
-    assert qkv0.fmt == "Q4_K+Q4_K+Q6_K" and [p.layout for p in qkv0.parts] == ["x16"] * 3
-    assert model.lm_head.packed.layout == "x16" and model.model.embed_tokens.packed.layout == "x16"
-    rows = load_model(path)
-    for module in rows.modules():  # the same model with every weight back in rows
-        if getattr(module, "packed", None) is not None:
-            module.packed = module.packed.with_layout("rows")
-    assert rows.model.layers[0].mlp.down_proj.packed.layout == "rows"
-
-    short, long = list(range(3, 8)), list(range(3, 40))
-    assert torch.equal(prefill_logits(model, short), prefill_logits(rows, short))
-    ours, theirs = prefill_logits(model, long), prefill_logits(rows, long)
-    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * theirs.abs().max().item())
-    assert_one_call_step_is_exact(model)
-    assert model.one_call_decode
 
 # --- errors -------------------------------------------------------------------------------------
 
