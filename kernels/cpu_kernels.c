@@ -543,12 +543,14 @@ int tri_relayout(int fmt, uint8_t *data, int64_t rows, int K, size_t row_bytes, 
             if (!tmp) continue;
             uint8_t *at = data + (size_t)g * G * rb;
             memcpy(tmp, at, G * rb);
-            for (int r = 0; r < G; r++) {
-                if (G == X8 && to_layout && r == 0) x8_from_rows(fmt, tmp, rb, nb, at);
-                else if (G == X8 && !to_layout) x8_to_row(fmt, tmp, r, nb, at + r * rb);
-                else if (G == X16 && to_layout) x16_move_row(fmt, tmp + r * rb, nb, at, r, 1);
-                else if (G == X16) x16_move_row(fmt, at + r * rb, nb, tmp, r, 0);
-            }
+            if (G == X8 && to_layout)
+                x8_from_rows(fmt, tmp, rb, nb, at);
+            else
+                for (int r = 0; r < G; r++) {
+                    if (G == X8) x8_to_row(fmt, tmp, r, nb, at + r * rb);
+                    else if (to_layout) x16_move_row(fmt, tmp + r * rb, nb, at, r, 1);
+                    else x16_move_row(fmt, at + r * rb, nb, tmp, r, 0);
+                }
         }
         free(tmp);
     }
@@ -1056,19 +1058,15 @@ INLINE void dot_rows_fmt(int fmt, const uint8_t *row, size_t rb, const float *x,
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + tail[r];
 }
 
-/* A kernel of format F called with the number of rows R (1 to ROWS_MAX) known at compile
- * time, so that each row's sums keep to registers: CALL(F, r) for each r. */
-#define SWITCH_ROWS(CALL, F) \
+/* dot_rows_fmt with the number of rows known at compile time (so each row's sums keep to
+ * registers), for the format at run time. */
+#define DOT_ROWS_R(F, R) case R: dot_rows_fmt(F, row, rb, x, ldx, xsum, ldxs, K, R, out); break;
+#define DOT_ROWS_FMT(F) \
     switch (R) { \
-    case 1: CALL(F, 1); break; case 2: CALL(F, 2); break; case 3: CALL(F, 3); break; \
-    case 4: CALL(F, 4); break; case 5: CALL(F, 5); break; case 6: CALL(F, 6); break; \
-    case 7: CALL(F, 7); break; default: CALL(F, 8); break; \
+    DOT_ROWS_R(F, 1) DOT_ROWS_R(F, 2) DOT_ROWS_R(F, 3) DOT_ROWS_R(F, 4) \
+    DOT_ROWS_R(F, 5) DOT_ROWS_R(F, 6) DOT_ROWS_R(F, 7) default: DOT_ROWS_R(F, 8) \
     } \
     break;
-
-/* dot_rows_fmt for the format at run time. */
-#define DOT_ROWS_R(F, RR) dot_rows_fmt(F, row, rb, x, ldx, xsum, ldxs, K, RR, out)
-#define DOT_ROWS_FMT(F) SWITCH_ROWS(DOT_ROWS_R, F)
 
 static void dot_rows(int fmt, const uint8_t *row, size_t rb, const float *x, size_t ldx,
                      const float *xsum, size_t ldxs, int K, int R, float *out) {
@@ -2183,13 +2181,6 @@ static void linear_prep_omp(int fmt, const float *x, int M, int K, float *xsum, 
     }
 }
 
-/* 1 if row n of W starts a whole group of 16 rows in x16. */
-static int x16_group_at(const tri_lin *L, int n) {
-    int p = 0;
-    while (p + 1 < L->nparts && n >= L->rows[p]) n -= L->rows[p++];
-    return (L->fmt[p] & FMT_X16) && n % X16 == 0 && n + X16 <= L->rows[p];
-}
-
 /* 1 if row n of W lies in a group of 16 rows in x16 (dot_x16 takes it, at any M). */
 static int in_x16_group(const tri_lin *L, int n) {
     int p = 0;
@@ -2204,11 +2195,11 @@ static void linear_x16_omp(const tri_lin *L, const float *x, int M, float *y, co
     const int K = L->K, N = L->N, nb = K / 32;
     const size_t xsb = (size_t)nb * XSUM_PER_BLOCK;
     int n0, n1;
-    lin_rows_of_thread(L, &n0, &n1);
+    lin_rows_of_thread(L, &n0, &n1);  /* whole groups: n meets a group at its first row */
     for (int m0 = 0; m0 < M; m0 += MB) {
         const int m1 = m0 + MB < M ? m0 + MB : M;
         for (int n = n0; n < n1; n++) {
-            if (!x16_group_at(L, n))
+            if (!in_x16_group(L, n))
                 continue;
             int fmt;
             size_t rb;
