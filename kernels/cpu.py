@@ -48,12 +48,11 @@ FORMATS = {
     "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
 }
 # Bumped with cpu_kernels.c's tri_abi_version whenever the ctypes boundary changes.
-ABI_VERSION = 6
-# How the kernels multiply x with quantized weights (cpu_kernels.c, lin_activations): exact fp32;
-# or x rounded per 32-block to int16 (decode-sized products of Q4_0, Q4_1, Q4_K, Q6_K, Q8_0) or
-# to int8 (every product of every block format, llama.cpp's numerics). The tolerances are in
-# docs/kernels.md; 16-bit float weights always multiply exactly.
-ACTIVATIONS = {"exact": 0, "int16": 1, "int8": 2}
+ABI_VERSION = 7
+# How the kernels multiply x with quantized weights (cpu_kernels.c, lin_activations): exact fp32,
+# or x rounded per 32-block to int8 (every product of every block format, llama.cpp's numerics).
+# The tolerance is in docs/kernels.md; 16-bit float weights always multiply exactly.
+ACTIVATIONS = {"exact": 0, "int8": 1}
 # How a packed weight's rows lie in memory (cpu_kernels.c): "rows", each row's blocks together
 # (every kernel reads it); "x8", groups of 8 rows interleaved so that the int8 GEMM puts one
 # output row in each SIMD lane (no horizontal sums), read only with int8 activations, for the
@@ -308,9 +307,8 @@ class PackedParts:
         return self.parts[0].activations
 
     def with_activations(self, activations: str) -> PackedParts:
-        """Asked of every part; the kernels take it where every part's format allows (int16:
-        every part has the int16 kernel and x's int16 layout is one for all; int8: no part is
-        16-bit floats; cpu_kernels.c, lin_activations)."""
+        """Asked of every part; the kernels take int8 where no part is 16-bit floats
+        (cpu_kernels.c, lin_activations)."""
         return PackedParts(tuple(p.with_activations(activations) for p in self.parts))
 
     @property

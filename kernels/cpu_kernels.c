@@ -51,7 +51,7 @@ enum {
 };
 
 /* Bumped whenever a struct or signature of the ctypes boundary changes; kernels/cpu.py checks it. */
-int tri_abi_version(void) { return 6; }
+int tri_abi_version(void) { return 7; }
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -1315,207 +1315,6 @@ static void block_sums(const float *x, int K, float *out) {
     }
 }
 
-/* The int16-activation variant (opt-in; Q4_0, Q4_1, Q4_K, Q6_K and Q8_0; not exact, relative error
- * ~5e-5): each 32-block of x is
- * rounded to int16 with its own scale (dx), so a block's dot product is an exact integer sum.
- * The weights' offset term (Q4_1's m, Q4_0's -8d, Q4_K's -dmin mn) uses the exact float sums of x.
- *
- * Q8_0 codes are widened to int16 and multiplied with madd. For 4-bit codes (0..15) the int16 x
- * is split into its signed high byte and unsigned low byte, x = 256 * xh + xl, so that maddubs
- * (unsigned bytes times signed bytes, pairs summed to int16) takes 32 codes at once: codes * xh
- * and xl * codes (a code is a valid signed byte) never leave int16, and two madds combine them
- * into sum(code * x) exactly. Two blocks go together (their 32 code bytes are adjacent): x is
- * laid out per pair of blocks as four 32-byte vectors, xh of weights 0-15 of both blocks, xh of
- * weights 16-31, then xl of the same (see quantize_row_q16). */
-/* The formats the int16 kernels read: 4-bit codes (Q4_0, Q4_1, Q4_K), Q6_K and Q8_0. */
-static inline int int16_format(int fmt) {
-    return fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q4_K || fmt == FMT_Q6_K || fmt == FMT_Q8_0;
-}
-
-#define QX_BLOCK_BYTES 64  /* bytes of prepared x per block, either layout */
-
-/* Bytes of one prepared row of K values: whole pairs of blocks (an odd last block's partner is 0). */
-static size_t qx_row_bytes(int K) { return (size_t)(K / 32 + 1) / 2 * 2 * QX_BLOCK_BYTES; }
-
-/* max |x| over a block of 32 values. */
-static inline float block_amax(const float *xb) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 amax = _mm256_setzero_ps();
-    for (int j = 0; j < 4; j++)
-        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * j)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    return _mm_cvtss_f32(m4);
-}
-
-static void quantize_row_q16(int fmt, const float *x, int K, uint8_t *qx, float *dx) {
-    const int nb = K / 32;
-    memset(qx, 0, qx_row_bytes(K));
-    for (int b = 0; b < nb; b++) {
-        const float *xb = x + b * 32;
-        const float d = block_amax(xb) / 32767.0f;
-        const float id = d > 0.0f ? 1.0f / d : 0.0f;
-        dx[b] = d;
-        /* round to nearest even, as lrintf in the default rounding mode */
-        int32_t v[32];
-        for (int j = 0; j < 4; j++)
-            _mm256_storeu_si256((__m256i *)(v + 8 * j),
-                                _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * j), _mm256_set1_ps(id))));
-        for (int i = 0; i < 32; i++) {
-            const int16_t q = (int16_t)v[i];
-            if (fmt == FMT_Q8_0) {
-                ((int16_t *)qx)[b * 32 + i] = q;
-            } else {
-                uint8_t *pair = qx + (size_t)(b / 2) * 2 * QX_BLOCK_BYTES;
-                const int at = (b % 2) * 16 + (i % 16) + (i / 16) * 32;
-                pair[at] = (uint8_t)((uint16_t)q >> 8);
-                pair[64 + at] = (uint8_t)(q & 0xFF);
-            }
-        }
-    }
-}
-
-/* sum(code * x) of blocks b and b + 1 (4-bit codes): lanes 0-3 block b's partial sums, 4-7 b + 1's. */
-INLINE __m256i pair_dot_q4(const uint8_t *codes, const uint8_t *xp, int both) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const __m256i q = both ? _mm256_loadu_si256((const __m256i *)codes)
-                           : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)codes));
-    const __m256i lo = _mm256_and_si256(q, low4);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-    const __m256i h = _mm256_add_epi16(
-        _mm256_maddubs_epi16(lo, _mm256_load_si256((const __m256i *)xp)),
-        _mm256_maddubs_epi16(hi, _mm256_load_si256((const __m256i *)(xp + 32))));
-    const __m256i l = _mm256_add_epi16(
-        _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(xp + 64)), lo),
-        _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(xp + 96)), hi));
-    return _mm256_add_epi32(_mm256_madd_epi16(h, _mm256_set1_epi16(256)),
-                            _mm256_madd_epi16(l, _mm256_set1_epi16(1)));
-}
-
-/* The same for Q6_K's 6-bit codes (0..63, not centred) of blocks b and b + 1, their first
- * halves' sums (weights 0-15) in *lo and second halves' in *hi, lanes 0-3 block b, 4-7 b + 1:
- * each half has its own scale. The high bits (8 bytes a block, the two blocks' adjacent) are
- * moved to bits 4-5 of the code bytes by 64-bit shifts. code * xh <= 2 * 63 * 128 and
- * xl * code <= 2 * 255 * 63 still fit int16. */
-INLINE void pair_dot_q6(const uint8_t *codes, const uint8_t *high, const uint8_t *xp,
-                        __m256i *lo_sums, __m256i *hi_sums) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
-    const __m256i q = _mm256_loadu_si256((const __m256i *)codes);
-    /* 64-bit lanes: block b's high bytes twice, then block b + 1's twice */
-    const __m256i hb = _mm256_permute4x64_epi64(
-        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)high)), 0x50);
-    const __m256i hlo = _mm256_slli_epi16(
-        _mm256_and_si256(_mm256_srlv_epi64(hb, _mm256_setr_epi64x(0, 2, 0, 2)), low2), 4);
-    const __m256i hhi = _mm256_slli_epi16(
-        _mm256_and_si256(_mm256_srlv_epi64(hb, _mm256_setr_epi64x(4, 6, 4, 6)), low2), 4);
-    const __m256i lo = _mm256_or_si256(_mm256_and_si256(q, low4), hlo);
-    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low4), hhi);
-    const __m256i s256 = _mm256_set1_epi16(256), one = _mm256_set1_epi16(1);
-    *lo_sums = _mm256_add_epi32(
-        _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256((const __m256i *)xp)), s256),
-        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(xp + 64)), lo), one));
-    *hi_sums = _mm256_add_epi32(
-        _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_load_si256((const __m256i *)(xp + 32))), s256),
-        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(xp + 96)), hi), one));
-}
-
-/* sum(code * x) of Q8_0 block b as 8 partial sums. */
-INLINE __m256i block_dot_q8(const uint8_t *row, int b, const int16_t *xb) {
-    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 32 * b)));
-    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 32 * b + 16)));
-    return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_load_si256((const __m256i *)xb)),
-                            _mm256_madd_epi16(w1, _mm256_load_si256((const __m256i *)(xb + 16))));
-}
-
-/* 8 blocks from b into acc. Always inlined, and called with a constant fmt: no branch inside. */
-INLINE __m256 group_q16(int fmt, const uint8_t *row, const uint8_t *ds, int nb, int b,
-                        const uint8_t *qx, const float *dx, const float *xs, __m256 acc) {
-    /* pair sums come out as [b0 b2 b4 b6 | b1 b3 b5 b7]: back to block order */
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    __m256i sums;
-    if (fmt == FMT_Q6_K) {  /* two sums a block, each with its scale; -32 via x's half sums */
-        __m256i lo[4], hi[4];
-        const uint8_t *high = row_planes(fmt, row, nb);
-        for (int j = 0; j < 4; j++)
-            pair_dot_q6(row + 16 * (size_t)(b + 2 * j), high + 8 * (size_t)(b + 2 * j),
-                        qx + (size_t)(b + 2 * j) * QX_BLOCK_BYTES, &lo[j], &hi[j]);
-        const __m256i slo = _mm256_permutevar8x32_epi32(
-            _mm256_hadd_epi32(_mm256_hadd_epi32(lo[0], lo[1]), _mm256_hadd_epi32(lo[2], lo[3])), order);
-        const __m256i shi = _mm256_permutevar8x32_epi32(
-            _mm256_hadd_epi32(_mm256_hadd_epi32(hi[0], hi[1]), _mm256_hadd_epi32(hi[2], hi[3])), order);
-        const uint8_t *m = ds + (size_t)(b / 8) * 18;
-        const __m256 d = _mm256_set1_ps(half_to_float(m));
-        const __m256 sc_lo = _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 2))));
-        const __m256 sc_hi = _mm256_mul_ps(d, i8x8_to_float(_mm_loadl_epi64((const __m128i *)(m + 10))));
-        const __m256 dxv = _mm256_loadu_ps(dx + b);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(slo), _mm256_mul_ps(sc_lo, dxv), acc);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(shi), _mm256_mul_ps(sc_hi, dxv), acc);
-        const float *halves = xs + nb + 2 * (size_t)b;
-        const __m256 off = _mm256_fmadd_ps(sc_lo, _mm256_loadu_ps(halves),
-                                           _mm256_mul_ps(sc_hi, _mm256_loadu_ps(halves + 8)));
-        return _mm256_fmadd_ps(off, _mm256_set1_ps(-32.0f), acc);
-    }
-    if (fmt == FMT_Q8_0) {
-        __m256i v[8];
-        for (int j = 0; j < 8; j++)
-            v[j] = block_dot_q8(row, b + j, (const int16_t *)(qx + (size_t)(b + j) * QX_BLOCK_BYTES));
-        sums = reduce8_epi32(v);
-    } else {
-        __m256i v[4];
-        for (int j = 0; j < 4; j++)
-            v[j] = pair_dot_q4(row + 16 * (size_t)(b + 2 * j), qx + (size_t)(b + 2 * j) * QX_BLOCK_BYTES, 1);
-        sums = _mm256_permutevar8x32_epi32(
-            _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3])), order);
-    }
-    __m256 scale, off;
-    group_affine(fmt, ds, nb, b, &scale, &off);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, _mm256_loadu_ps(dx + b)), acc);
-    return fmt == FMT_Q8_0 ? acc : _mm256_fmadd_ps(off, _mm256_loadu_ps(xs + b), acc);
-}
-
-INLINE float dot_row_q16_fmt(int fmt, const uint8_t *row, size_t rb, const uint8_t *qx, const float *dx,
-                             const float *xs, int nb) {
-    const uint8_t *ds = row_meta(fmt, row, nb);
-    __m256 acc = _mm256_setzero_ps();
-    int b = 0;
-    for (; b + 8 <= nb; b += 8) {
-        prefetch_group(row, rb, b, nb);
-        acc = group_q16(fmt, row, ds, nb, b, qx, dx, xs, acc);
-    }
-    float tail = 0.0f;  /* the last nb % 8 blocks: one at a time, or a pair at a time */
-    for (; b < nb; b += fmt == FMT_Q8_0 ? 1 : 2) {
-        int32_t sums[8];
-        if (fmt == FMT_Q8_0) {
-            _mm256_storeu_si256((__m256i *)sums,
-                                block_dot_q8(row, b, (const int16_t *)(qx + (size_t)b * QX_BLOCK_BYTES)));
-        } else {  /* lanes 0-3: block b, 4-7: block b + 1 */
-            _mm256_storeu_si256((__m256i *)sums, pair_dot_q4(row + 16 * (size_t)b,
-                                                             qx + (size_t)b * QX_BLOCK_BYTES, b + 1 < nb));
-        }
-        for (int j = 0; j < (fmt == FMT_Q8_0 ? 1 : 2) && b + j < nb; j++) {
-            const int32_t s = fmt == FMT_Q8_0
-                ? sums[0] + sums[1] + sums[2] + sums[3] + sums[4] + sums[5] + sums[6] + sums[7]
-                : sums[4 * j] + sums[4 * j + 1] + sums[4 * j + 2] + sums[4 * j + 3];
-            float s0, s1, off;
-            block_affine(fmt, ds, nb, b + j, &s0, &s1, &off);
-            tail += (float)s * (s0 * dx[b + j]) + off * xs[b + j];
-        }
-    }
-    return hsum(acc) + tail;
-}
-
-static float dot_row_q16(int fmt, const uint8_t *row, size_t rb, const uint8_t *qx, const float *dx,
-                         const float *xs, int nb) {
-    switch (fmt) {
-    case FMT_Q4_0: return dot_row_q16_fmt(FMT_Q4_0, row, rb, qx, dx, xs, nb);
-    case FMT_Q4_1: return dot_row_q16_fmt(FMT_Q4_1, row, rb, qx, dx, xs, nb);
-    case FMT_Q4_K: return dot_row_q16_fmt(FMT_Q4_K, row, rb, qx, dx, xs, nb);
-    case FMT_Q6_K: return dot_row_q16_fmt(FMT_Q6_K, row, rb, qx, dx, xs, nb);
-    default: return dot_row_q16_fmt(FMT_Q8_0, row, rb, qx, dx, xs, nb);
-    }
-}
-
 /* -- int8 activations (opt-in; every block format; not exact) -----------------------------------
  *
  * What llama.cpp does for every quantized weight: each 32-block of x is rounded to int8 with its
@@ -1536,6 +1335,19 @@ static float dot_row_q16(int fmt, const uint8_t *row, size_t rb, const uint8_t *
  * x_b+1[16:32], matching the nibbles of the two blocks' 32 code bytes (byte j: weight j low, j + 16
  * high); Q8_0's codes are brought to the same order by two lane permutes a pair. (One layout: at
  * K = 8192 a second one would push x out of L1 while the weights stream through it.) */
+
+/* max |x| over a block of 32 values. */
+static inline float block_amax(const float *xb) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++)
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * j)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    return _mm_cvtss_f32(m4);
+}
+
 
 #define R8 8
 
@@ -2042,8 +1854,8 @@ static void gemm_x8(int fmt, const uint8_t *g, int nb, int R, const int8_t *xq, 
  * fused step's results are bitwise those of the op-by-op path). Each ``omp for`` ends with a
  * barrier. */
 
-/* Whether M rows of x take the few-rows kernels (weights unpacked in registers: once per row of
- * x for int16, once per ROWS_MAX rows for exact) or the tiles (each weight dequantized once into
+/* Whether M rows of x take the few-rows kernels (weights unpacked in registers once per ROWS_MAX
+ * rows of x) or the tiles (each weight dequantized once into
  * L1, used by MT rows at a time). Exact: up to 5 rows, where dot_rows costs about what the tiles
  * do on Q4_1 (SmolLM2-135M's [1536, 576] and [576, 1536] at one thread, by CPU time: 0.84-1.19x
  * at 2 rows, 0.50-0.87x at 3, 1.03-1.35x at 4, 0.78-1.07x at 5; three runs) and less on Q4_K
@@ -2051,17 +1863,13 @@ static void gemm_x8(int fmt, const uint8_t *g, int nb, int R, const int8_t *xq, 
  * run in another order), so speculative decoding's verify rows (up to speculative_tokens + 1)
  * and batches of up to 5 give every sequence the logits it has alone. From 6 rows (6 and 8:
  * 1.24-1.65x on Q4_1) the tiles' fp32 micro-GEMM is cheaper per row than dot_row's per-block
- * sums. The int16 kernel's integer products keep it ahead up to 3 rows. -D overrides either
- * (measurement). */
+ * sums. -D overrides it (measurement). */
 #ifndef FEW_ROWS_EXACT
 #define FEW_ROWS_EXACT 6
 #endif
-#ifndef FEW_ROWS_INT16
-#define FEW_ROWS_INT16 4
-#endif
 
-static inline int few_rows(int M, int q16) {
-    return M < (q16 ? FEW_ROWS_INT16 : FEW_ROWS_EXACT);
+static inline int few_rows(int M) {
+    return M < FEW_ROWS_EXACT;
 }
 
 /* Rows of x below which an exact product takes the few-rows kernel, each row's result then
@@ -2083,25 +1891,17 @@ typedef struct {
     int rows[MAX_PARTS];
 } tri_lin;
 
-/* How x is multiplied with the weights: exact fp32, or rounded to int16 or int8 per 32-block. */
-enum { ACT_EXACT = 0, ACT_INT16 = 1, ACT_INT8 = 2 };
+/* How x is multiplied with the weights: exact fp32, or rounded to int8 per 32-block. */
+enum { ACT_EXACT = 0, ACT_INT8 = 1 };
 
-/* What L's product takes of what it asks for: int8 where no part is 16-bit floats; int16 where
- * every part is in a format its kernels read and x's int16 layout is the same for all (Q8_0's
- * differs from the 4-bit codes' and Q6_K's); else exact. */
+/* What L's product takes of what it asks for: int8 where no part is 16-bit floats; else exact. */
 static int lin_activations(const tri_lin *L) {
-    if (L->activations == ACT_INT8) {
-        for (int p = 0; p < L->nparts; p++)
-            if (is_16bit(L->fmt[p] & 0xFF))
-                return ACT_EXACT;
-        return ACT_INT8;
-    }
-    if (L->activations != ACT_INT16)
+    if (L->activations != ACT_INT8)
         return ACT_EXACT;
     for (int p = 0; p < L->nparts; p++)
-        if (!int16_format(L->fmt[p]) || (L->fmt[p] == FMT_Q8_0) != (L->fmt[0] == FMT_Q8_0))
+        if (is_16bit(L->fmt[p] & 0xFF))
             return ACT_EXACT;
-    return ACT_INT16;
+    return ACT_INT8;
 }
 
 static int lin_valid(const tri_lin *L) {
@@ -2170,15 +1970,13 @@ static void lin_rows_of_thread(const tri_lin *L, int *n0, int *n1) {
     *n1 = bounds[1];
 }
 
-/* What a few-rows product needs of x before the threads start: the float sums of x's blocks,
- * and with int16 activations x rounded to int16 (qx) with a scale per block (dx). */
-static void linear_prep_omp(int fmt, const float *x, int M, int K, float *xsum, uint8_t *qx, float *dx) {
+/* What an exact product in the few-rows kernels or x16 needs of x before the threads start:
+ * the float sums of x's blocks. */
+static void linear_prep_omp(const float *x, int M, int K, float *xsum) {
     const int nb = K / 32;
     #pragma omp for schedule(static)
-    for (int m = 0; m < M; m++) {
+    for (int m = 0; m < M; m++)
         block_sums(x + (size_t)m * K, K, xsum + (size_t)m * nb * XSUM_PER_BLOCK);
-        if (qx) quantize_row_q16(fmt, x + (size_t)m * K, K, qx + m * qx_row_bytes(K), dx + (size_t)m * nb);
-    }
 }
 
 /* 1 if row n of W lies in a group of 16 rows in x16 (dot_x16 takes it, at any M). */
@@ -2217,11 +2015,10 @@ static void linear_x16_omp(const tri_lin *L, const float *x, int M, float *y, co
     }
 }
 
-/* few_rows(M), after the prep, the rows outside x16 groups: exact (dot_row for one row of x,
- * dot_rows for more: each row's result bitwise dot_row's), or with x rounded to int16
- * (dot_row_q16) when qx is given. */
+/* few_rows(M), after the prep, the rows outside x16 groups: dot_row for one row of x, dot_rows
+ * for more (each row's result bitwise dot_row's). */
 static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *y,
-                                const float *xsum, const uint8_t *qx, const float *dx) {
+                                const float *xsum) {
     const int K = L->K, N = L->N, nb = K / 32;
     int n0, n1;
     lin_rows_of_thread(L, &n0, &n1);
@@ -2232,7 +2029,7 @@ static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *
         if (in_x16_group(L, n))  /* linear_x16_omp's */
             continue;
         fmt &= 0xFF;
-        if (!qx && M > 1) {  /* up to ROWS_MAX rows of x per unpacking of the row */
+        if (M > 1) {  /* up to ROWS_MAX rows of x per unpacking of the row */
             for (int m0 = 0; m0 < M; m0 += ROWS_MAX) {
                 const int R = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
                 float out[ROWS_MAX];
@@ -2243,12 +2040,8 @@ static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *
             }
             continue;
         }
-        for (int m = 0; m < M; m++) {
-            const float *xs = xsum + (size_t)m * nb * XSUM_PER_BLOCK;
-            const float dot = qx ? dot_row_q16(fmt, row, rb, qx + m * qx_row_bytes(K), dx + (size_t)m * nb, xs, nb)
-                                 : dot_row(fmt, row, rb, x + (size_t)m * K, xs, K);
-            y[(size_t)m * N + n] = dot + (L->bias ? L->bias[n] : 0.0f);
-        }
+        if (M == 1)
+            y[n] = dot_row(fmt, row, rb, x, xsum, K) + (L->bias ? L->bias[n] : 0.0f);
     }
 }
 
@@ -2278,10 +2071,12 @@ static void linear_tiles_omp(const tri_lin *L, const float *x, int M, float *y, 
     }
 }
 
-/* Scratch of a product of up to M rows of up to K columns on ``threads`` threads. */
+/* Scratch of a product of up to M rows of up to K columns on ``threads`` threads. ``xq``: x's
+ * rows rounded to int8 (q8_row_bytes each), or, in tri_decode_step before its first linear, the
+ * one embedding row it reads in the row layout (a row of blocks: at most 2 bytes a value). */
 typedef struct {
     float *xsum, *dx, *tiles;
-    uint8_t *qx;
+    uint8_t *xq;
     int32_t *xi;  /* int8 x's integer half-block sums (the x8 Q6_K kernel's -32) */
 } lin_scratch;
 
@@ -2289,13 +2084,13 @@ static int scratch_alloc(lin_scratch *s, int M, int K, int threads) {
     s->xi = malloc((size_t)M * (K / 32) * XI_PER_BLOCK * sizeof(int32_t) + 1);
     s->xsum = malloc((size_t)M * (K / 32) * XSUM_PER_BLOCK * sizeof(float));
     s->dx = malloc((size_t)M * (K / 32) * sizeof(float));
-    s->qx = aligned_alloc(64, (size_t)M * qx_row_bytes(K));
+    s->xq = aligned_alloc(64, (size_t)(M > 0 ? M : 1) * 2 * q8_row_bytes(K));
     s->tiles = aligned_alloc(64, (size_t)threads * NT * K * sizeof(float));
-    return s->xi && s->xsum && s->dx && s->qx && s->tiles;
+    return s->xi && s->xsum && s->dx && s->xq && s->tiles;
 }
 
 static void scratch_free(lin_scratch *s) {
-    free(s->xi); free(s->xsum); free(s->dx); free(s->qx); free(s->tiles);
+    free(s->xi); free(s->xsum); free(s->dx); free(s->xq); free(s->tiles);
 }
 
 /* The integer half-block sums of a prepared int8 row (pair layout), for the x8 Q6_K kernel. */
@@ -2316,7 +2111,7 @@ static void half_sums_q8(const int8_t *xq, int nb, int32_t *xi) {
 static void linear_q8_omp(const tri_lin *L, const float *x, int M, float *y, const lin_scratch *s) {
     const int K = L->K, N = L->N, nb = K / 32;
     const size_t xb = q8_row_bytes(K), xsb = (size_t)nb * XSUM_PER_BLOCK;
-    int8_t *qx = (int8_t *)s->qx;
+    int8_t *qx = (int8_t *)s->xq;
     int any_x8 = 0;
     for (int p = 0; p < L->nparts; p++) any_x8 |= (L->fmt[p] & FMT_X8) != 0;
     #pragma omp for schedule(static)
@@ -2365,28 +2160,26 @@ static void linear_q8_omp(const tri_lin *L, const float *x, int M, float *y, con
 
 /* One linear inside a parallel region: the prep by one thread, then the rows shared out. */
 static void linear_omp(const tri_lin *L, const float *x, int M, float *y, const lin_scratch *s) {
-    const int act = lin_activations(L), q16 = act == ACT_INT16;
-    if (act == ACT_INT8) {
+    if (lin_activations(L) == ACT_INT8) {
         linear_q8_omp(L, x, M, y, s);
         return;
     }
     int any_x16 = 0;
     for (int p = 0; p < L->nparts; p++) any_x16 |= (L->fmt[p] & FMT_X16) != 0;
-    const int few = few_rows(M, q16);
+    const int few = few_rows(M);
     if (few || any_x16)
-        linear_prep_omp(L->fmt[0] & 0xFF, x, M, L->K, s->xsum, q16 ? s->qx : NULL, s->dx);
+        linear_prep_omp(x, M, L->K, s->xsum);
     if (any_x16)
         linear_x16_omp(L, x, M, y, s->xsum);
     if (few)
-        linear_few_rows_omp(L, x, M, y, s->xsum, q16 ? s->qx : NULL, s->dx);
+        linear_few_rows_omp(L, x, M, y, s->xsum);
     else
         linear_tiles_omp(L, x, M, y, s->tiles);
     #pragma omp barrier
 }
 
-/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the layer L describes. With int16 activations, up
- * to 3 rows of x go through the int16 variant (see few_rows); with int8, every row (see
- * lin_activations). Returns 0, -1 on a bad
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the layer L describes; with int8 activations
+ * every row is rounded to int8 (see lin_activations). Returns 0, -1 on a bad
  * description, -2 when scratch memory cannot be had. */
 int tri_linear(const tri_lin *L, const float *x, int M, float *y, int nthreads) {
     if (!lin_valid(L) || M < 0 || nthreads < 1)
@@ -2960,7 +2753,7 @@ int tri_decode_step(const tri_model *m, void *const *k_caches, void *const *v_ca
         if (m->embed_fmt)
             dequant_row(m->embed_fmt & 0xFF,
                         row_in_row_layout(m->embed_fmt, m->embed, m->embed_row_bytes, m->embed_rows,
-                                          ids[b], H, s.qx /* free until the first linear */), H, row);
+                                          ids[b], H, s.xq /* free until the first linear */), H, row);
         else
             memcpy(row, m->embed + (size_t)ids[b] * m->embed_row_bytes, (size_t)H * sizeof(float));
     }

@@ -152,14 +152,13 @@ class Settings(BaseSettings):
         "blocks (4-16 bits a weight, read by the CPU kernels with fp32 math) where those kernels "
         "run (CPU, float32); false: dequantized to dtype at load, as Q2_K, Q3_K and IQ4 are.",
     )
-    activations: Literal["exact", "int16", "int8"] = Field(
+    activations: Literal["exact", "int8"] = Field(
         "exact",
         description="With kept GGUF blocks, how the CPU kernels multiply activations with them: "
         "exact (fp32 math, the same as dequantized weights; the fastest at batch 1 since its "
-        "16-row layout); int16 (decode-sized products round activations to int16 per 32 values: "
-        "Q4_0, Q4_1, Q4_K, Q6_K, Q8_0; now slower than exact at batch 1, docs/kernels.md); int8 "
-        "(every product of every block format rounds them to int8 per 32 values, as llama.cpp "
-        "does: the fastest from a few rows on, not exact). Tolerances measured in docs/kernels.md.",
+        "16-row layout) or int8 (every product of every block format rounds them to int8 per 32 "
+        "values, as llama.cpp does: the fastest from a few rows on, not exact). The tolerance is "
+        "measured in docs/kernels.md.",
     )
 
     worker_max_restarts: int = Field(

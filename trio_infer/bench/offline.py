@@ -94,9 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-gguf-blocks", action="store_true",
                    help="dequantize a GGUF model's weights at load (the torch path) instead of "
                    "keeping its Q4_0/Q4_1/Q8_0 blocks for the CPU kernels (the default)")
-    p.add_argument("--activations", choices=("exact", "int16", "int8"), default="exact",
-                   help="how the CPU kernels multiply activations with GGUF blocks (int16, "
-                   "int8: not exact; see docs/kernels.md)")
+    p.add_argument("--activations", choices=("exact", "int8"), default="exact",
+                   help="how the CPU kernels multiply activations with GGUF blocks (int8: not "
+                   "exact; see docs/kernels.md)")
     p.add_argument(
         "--threads",
         type=int,

@@ -74,7 +74,7 @@ def load_model(
     it when ``keep_blocks`` is true, or is None and :func:`packing_possible` says they can run
     here; every other GGUF weight is dequantized to ``dtype`` (with a warning naming the type and
     the memory it takes, when it is a linear weight that a block format would have kept small). ``activations`` says how
-    the CPU kernels multiply activations with kept blocks: exact, or rounded to int16 or int8
+    the CPU kernels multiply activations with kept blocks: exact, or rounded to int8
     (see :data:`kernels.cpu.ACTIVATIONS`).
     ``dtype`` defaults to :func:`default_dtype`. The served name is ``served_name``, else the
     folder's ``served_name`` file, else the hub id for a folder inside the Hugging Face cache, else
