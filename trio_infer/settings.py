@@ -72,7 +72,9 @@ class Settings(BaseSettings):
         "lookup (the tokens that followed the latest earlier occurrence of its last few tokens), "
         "'draft' with a smaller model (speculative_draft_model), and checks them in one forward; greedy output is unchanged, sampled output keeps its "
         "distribution (rejection sampling). A request opts out with \"speculative\": false. "
-        "'off': one token per step.",
+        "'off': one token per step. 'ngram' by default: its off-switches (wide batches, low "
+        "acceptance, verify steps measured slower than plain ones) keep it from costing where "
+        "it does not pay (docs/benchmarks.md).",
     )
     speculative_tokens: int = Field(
         _ENGINE.speculative_tokens, description="Speculative decoding: tokens guessed per step "

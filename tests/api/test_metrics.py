@@ -6,13 +6,37 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import numpy as np
 import prometheus_client
 import trio
 import trio.testing
 
 from trio_infer.metrics import Metrics
+from trio_infer.models.fake import expected_next_token
 
-from .helpers import StepGate, make_app, parse_sse, running
+from .helpers import IM_END, StepGate, make_app, parse_sse, running
+
+
+def copying_prompt(vocab: int, eos: int) -> list[int]:
+    """Token ids ``5 6 7 a b c f g a b`` with fillers ``f g`` chosen so that the fake model
+    answers ``c`` and then ``f``: once it has given ``c``, prompt lookup matches ``a b c`` and
+    guesses ``f``, which the model then gives. The fake model's next token is a hash linear in
+    the sequence's tokens (models/fake.py), so every pair of fillers is tried at once (for a few
+    ``c``: a given one has a pair about once in 8); the pick is checked with the model's own
+    function."""
+    a, b = 11, 12
+    f, g = np.meshgrid(np.arange(20, vocab), np.arange(20, vocab), indexing="ij")
+    for c in range(13, 200):
+        head = [5, 6, 7, a, b, c]
+        acc = sum(t * (i + 1) for i, t in enumerate(head)) + 7 * f + 8 * g + 9 * a + 10 * b
+        first, then = (acc * 31 + 7 * 10) % vocab, ((acc + 11 * c) * 31 + 7 * 11) % vocab
+        hits = np.argwhere((first == c) & (then == f) & (f != eos) & (g != eos))
+        if len(hits):
+            ids = head + [int(f[tuple(hits[0])]), int(g[tuple(hits[0])]), a, b]
+            assert expected_next_token(ids, vocab, eos) == c
+            assert expected_next_token(ids + [c], vocab, eos) == ids[6]
+            return ids
+    raise AssertionError("no fillers make the fake model copy")
 
 
 async def test_every_registered_family_is_observed(tokenizer, monkeypatch, autojump_clock) -> None:  # type: ignore[no-untyped-def]
@@ -38,6 +62,12 @@ async def test_every_registered_family_is_observed(tokenizer, monkeypatch, autoj
             assert r.status_code == 200
             if stream:
                 assert parse_sse(await r.get_data(as_text=True))[-1] == "[DONE]"
+        # A greedy prompt whose answer starts by copying it: speculative decoding (on by
+        # default) proposes and has a guess accepted.
+        ids = copying_prompt(len(tokenizer), tokenizer.convert_tokens_to_ids(IM_END))
+        body = {"model": "fake", "prompt": ids, "max_tokens": 3, "temperature": 0}
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200
         # Overload, with the engine held: a deadline, then each refusal (queue time; a full queue
         # in sequences, then in tokens).
         gate = StepGate(app)

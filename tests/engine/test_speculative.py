@@ -326,8 +326,11 @@ def test_opt_out_and_batch_off_switch() -> None:
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     run(engine, {i: (prompt, params) for i in range(3)})
     assert engine.statistics().spec_proposed == 0
-    # off by default
+    # on by default (prompt lookup), and off when asked
     engine = Engine(model, EngineConfig(page_size=4, num_pages=64))
+    assert run(engine, {"a": (prompt, params)})["a"] == [(10 + i) % 64 for i in range(1, 13)]
+    assert engine.statistics().spec_accepted > 0
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=64, speculative="off"))
     run(engine, {"a": (prompt, params)})
     assert engine.statistics().spec_proposed == 0
 

@@ -63,6 +63,7 @@ def engine_config(args: argparse.Namespace, workload_tokens: int, bytes_per_toke
         max_running=max_running,
         max_batched_tokens=max_batched,
         kv_cache_dtype=args.kv_cache_dtype,
+        speculative="off",  # the server's default is ngram; --speculative measures it apart
     )
     if prefix_cache is not None:
         if not supports_prefix_cache_flag():

@@ -34,7 +34,7 @@ class EngineConfig:
     # speculative_ngram_min at least), "draft" with a draft model (engine/draft.py);
     # no sequence proposes in a step with more than speculative_max_batch running sequences,
     # and a sequence whose acceptance falls below speculative_min_acceptance pauses.
-    speculative: SpeculativeMethod = "off"
+    speculative: SpeculativeMethod = "ngram"
     speculative_tokens: int = 4
     speculative_ngram: int = 3
     speculative_ngram_min: int = 2

@@ -24,9 +24,10 @@ after ``d_1..d_j``:
   of the first row it disagrees with (or of the last row): exactly the tokens decoding one at a
   time would pick, as long as the forward gives the same logits for a row whoever shares the
   step: on the CPU kernels, bitwise with ``activations=int8``, and with ``exact`` (the default)
-  for steps of up to 5 rows (a verify of up to 4 guesses at batch 1: the few-rows kernel sums
-  each row as the one-row kernel does); wider exact steps take the tiles, whose sums run in
-  another order, so there a near-tie of the top two logits can differ (docs/architecture.md);
+  at any step size for weights in GGUF blocks (read in 16-row groups, each row summed as the
+  one-row kernel sums it) and for steps of up to 5 rows for 16-bit float weights (the few-rows
+  kernel); wider steps of 16-bit float weights take the tiles, whose sums run in another order,
+  so there a near-tie of the top two logits can differ (docs/architecture.md);
 - a sampled sequence keeps draft ``d_j`` with probability ``p_j(d_j)`` (the draft is a point
   mass, so this is the rejection sampling rule ``min(1, p/q)``) and on the first rejection
   draws from ``p_j`` without ``d_j``, renormalised; if every draft is kept it draws one more
