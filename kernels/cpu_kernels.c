@@ -1348,7 +1348,6 @@ static inline float block_amax(const float *xb) {
     return _mm_cvtss_f32(m4);
 }
 
-
 #define R8 8
 
 /* Bytes of one prepared row: whole pairs of blocks (an odd last block's partner is 0). */
@@ -2038,10 +2037,9 @@ static void linear_few_rows_omp(const tri_lin *L, const float *x, int M, float *
                 for (int r = 0; r < R; r++)
                     y[(size_t)(m0 + r) * N + n] = out[r] + (L->bias ? L->bias[n] : 0.0f);
             }
-            continue;
-        }
-        if (M == 1)
+        } else if (M == 1) {
             y[n] = dot_row(fmt, row, rb, x, xsum, K) + (L->bias ? L->bias[n] : 0.0f);
+        }
     }
 }
 
