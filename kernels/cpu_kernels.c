@@ -1143,7 +1143,11 @@ typedef __m256i li;
  * ``bit4``: the 5-bit formats' plane bytes 0-3 of the lanes, shifted left by 4 (byte j's bit i
  * is bit 4 of weight 8j + i). */
 INLINE void x16_codes(int fmt, const uint8_t *codes, const uint8_t *planes, const li bit4[4],
-                      int i, int h, lf f[4]) {
+                      const uint8_t *cb, int i, int h, lf f[4]) {
+    if (cb) {  /* whole codes as bytes (x16_code_bytes) */
+        for (int j = 0; j < 4; j++) f[j] = L_CVT(L_U8(cb + 64 * i + 16 * j + h));
+        return;
+    }
     if (fmt == FMT_Q8_0) {
         for (int j = 0; j < 4; j++) f[j] = L_CVT(L_I8(codes + 16 * (4 * i + j) + h));
         return;
@@ -1163,79 +1167,168 @@ INLINE void x16_codes(int fmt, const uint8_t *codes, const uint8_t *planes, cons
 }
 
 /* The order in which a block's 8 partial sums are added in pairs: reduce8_ps's (a whole group
- * of 8 blocks) and hsum's (a block past it). */
-static const int X16_ORDER[2][8] = {{0, 1, 2, 3, 4, 5, 6, 7}, {0, 4, 2, 6, 1, 5, 3, 7}};
+ * of 8 blocks: 0, 1, ..., 7) and hsum's (a block past it: 0, 4, 2, 6, 1, 5, 3, 7, the 3-bit
+ * reversal). Arithmetic rather than a table, so that the segments' offsets fold into immediates. */
+INLINE int x16_order(int tail_block, int k) {
+    return tail_block ? ((k & 1) << 2) | (k & 2) | ((k >> 2) & 1) : k;
+}
 
-/* Block b of group g (``c``: its unit's chunk) for R rows of x, for the lanes from ``h``: its
- * partial sums added in X16_ORDER[tail]'s pairs, scaled, and added into acc[r][b % 8] (a block
- * of a whole group of 8) or tail[r] (a block past them), as dot_row does. */
-INLINE void x16_block(int fmt, const uint8_t *c, int nb, int b, int tail_block, int h,
+/* Without AVX-512, the 5- and 6-bit formats' whole codes of one block of the group's 16 rows,
+ * made as bytes 32 at a time before the block's FMAs: cb[64 i + 16 j + r] is the code of weight
+ * i + 8j of row r (x16_codes then widens each 8 with one vpmovzxbd). Put together lane by lane
+ * in 8 lanes of 32 bits, each high bit took a shift, a mask and an OR per 8 weights; here one of
+ * each serves 32. The codes are the same integers, so every float after them is unchanged. */
+#ifndef __AVX512F__
+#define X16_CODE_BYTES(fmt) (is_5bit(fmt) || (fmt) == FMT_Q6_K)
+INLINE void x16_code_bytes(int fmt, const uint8_t *codes, const uint8_t *planes, uint8_t *cb) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    #pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) {
+        /* segments 2i and 2i + 1: the rows' nibble bytes i and 8 + i */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 32 * i));
+        __m256i lo = _mm256_and_si256(v, m4);                         /* weights i | 8 + i */
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);   /* 16 + i | 24 + i */
+        if (fmt == FMT_Q6_K) {  /* plane byte i: bits 2j, 2j + 1 are bits 4-5 of weight i + 8j */
+            const __m256i pl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(planes + 16 * i)));
+            const __m256i m = _mm256_set1_epi8(0x30);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_sllv_epi32(pl, _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2)), m));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srlv_epi32(pl, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), m));
+        } else {  /* plane bytes 0-3: byte j's bit i is bit 4 of weight 8j + i */
+            const __m256i p01 = _mm256_loadu_si256((const __m256i *)planes);
+            const __m256i p23 = _mm256_loadu_si256((const __m256i *)(planes + 32));
+            const __m256i m = _mm256_set1_epi8(0x10);
+            /* bit i of each byte to bit 4 of the same byte (16-bit shifts by at most 4: what
+             * crosses from the next byte lands outside the mask) */
+            const __m256i a = i < 4 ? _mm256_slli_epi16(p01, 4 - i) : _mm256_srli_epi16(p01, i - 4);
+            const __m256i c = i < 4 ? _mm256_slli_epi16(p23, 4 - i) : _mm256_srli_epi16(p23, i - 4);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(a, m));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(c, m));
+        }
+        _mm256_store_si256((__m256i *)(cb + 64 * i), lo);
+        _mm256_store_si256((__m256i *)(cb + 64 * i + 32), hi);
+    }
+    /* read back from memory, each 8 bytes by the vpmovzxbd that widens them (without this the
+     * compiler takes them out of the registers, three instructions each) */
+    __asm__ volatile("" ::: "memory");
+}
+#else
+#define X16_CODE_BYTES(fmt) 0
+INLINE void x16_code_bytes(int fmt, const uint8_t *codes, const uint8_t *planes, uint8_t *cb) {
+    (void)fmt; (void)codes; (void)planes; (void)cb;
+}
+#endif
+
+/* Vectors a group of 16 rows takes: 1 with AVX-512F, 2 (8 lanes each) without. Both halves go
+ * through a block in the same pass, so that each broadcast of x, each address and each loop
+ * step serves 16 rows on either build. */
+#define NH (X16 / LW)
+
+/* Partial sum i of a block for one row of x (``xb``: the block's 32 values of it), every lane of
+ * ``f``: dot_row's multiply and three FMAs, lane by lane (Q6_K: its two halves apart, then
+ * scaled as group_f32 does). */
+INLINE lf x16_partial(int fmt, const lf f[4], const float *xb, int i, lf scale, lf shi) {
+    lf lo = L_FMA(f[1], L_SET1(xb[8 + i]), L_MUL(f[0], L_SET1(xb[i])));
+    if (fmt == FMT_Q6_K) {
+        const lf hi = L_FMA(f[3], L_SET1(xb[24 + i]), L_MUL(f[2], L_SET1(xb[16 + i])));
+        return L_FMA(hi, shi, L_MUL(lo, scale));
+    }
+    lo = L_FMA(f[2], L_SET1(xb[16 + i]), lo);
+    return L_FMA(f[3], L_SET1(xb[24 + i]), lo);
+}
+
+/* Pair p (of 4) of a block's partial sums into reduce8_ps's tree: s0 = pair 0 + pair 1, s1 =
+ * pair 2 + pair 3 (their sum is the block's, x16_block adds them). */
+INLINE void x16_add_pair(int p, lf *s0, lf *s1, lf pair) {
+    if (p == 0) *s0 = pair;
+    else if (p == 1) *s0 = L_ADD(*s0, pair);
+    else if (p == 2) *s1 = pair;
+    else *s1 = L_ADD(*s1, pair);
+}
+
+/* Block b of group g (``c``: its unit's chunk) for R rows of x, every lane: its partial sums
+ * added in x16_order(tail_block)'s pairs, scaled, and added into acc[r][b % 8] (a block of a
+ * whole group of 8) or tail[r] (a block past them), as dot_row does. */
+INLINE void x16_block(int fmt, const uint8_t *c, int nb, int b, int tail_block,
                       const float *x, size_t ldx, const float *xsum, size_t ldxs, int R,
-                      lf acc[][8], lf *tail) {
+                      lf acc[][8][NH], lf tail[][NH], int h0, int nh, uint8_t *bytes) {
     const int j = b % x16_unit_blocks(fmt);
     const uint8_t *codes = c + (size_t)j * X16 * code_bytes(fmt), *m = c + x16_meta_at(fmt);
     const uint8_t *planes = c + x16_planes_at(fmt, j);
-    li bit4[4];
-    if (is_5bit(fmt))
-        for (int t = 0; t < 4; t++) bit4[t] = L_SLL(L_U8(planes + 16 * t + h), 4);
+    li bit4[NH][4];
+    const uint8_t *cb = X16_CODE_BYTES(fmt) ? bytes : NULL;
+    if (cb)
+        x16_code_bytes(fmt, codes, planes, bytes);
     /* the block's scales (Q6_K: of its halves) and offsets, lane by lane as dot_row makes them */
-    lf scale, off, shi = L_ZERO();
-    if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) {
-        scale = L_MUL(L_HALF(m + 2 * h), L_CVT(L_U8(m + 64 + 16 * j + h)));
-        off = L_MUL(L_NEG(L_HALF(m + 32 + 2 * h)), L_CVT(L_U8(m + 192 + 16 * j + h)));
-    } else if (fmt == FMT_Q6_K) {
-        const lf d = L_HALF(m + 2 * h);
-        scale = L_MUL(d, L_CVT(L_I8(m + 32 + 16 * j + h)));
-        shi = L_MUL(d, L_CVT(L_I8(m + 160 + 16 * j + h)));
-        off = L_ZERO();
-    } else {
-        scale = L_HALF(m + 2 * h);
-        off = has_min(fmt) ? L_HALF(m + 32 + 2 * h)
-            : fmt == FMT_Q4_0 ? L_MUL(scale, L_SET1(-8.0f))
-            : fmt == FMT_Q5_0 ? L_MUL(scale, L_SET1(-16.0f)) : L_ZERO();
+    lf scale[NH], off[NH], shi[NH];
+    for (int hh = h0; hh < h0 + nh; hh++) {
+        const int h = hh * LW;
+        if (is_5bit(fmt) && !cb)
+            for (int t = 0; t < 4; t++) bit4[hh][t] = L_SLL(L_U8(planes + 16 * t + h), 4);
+        shi[hh] = L_ZERO();
+        if (fmt == FMT_Q4_K || fmt == FMT_Q5_K) {
+            scale[hh] = L_MUL(L_HALF(m + 2 * h), L_CVT(L_U8(m + 64 + 16 * j + h)));
+            off[hh] = L_MUL(L_NEG(L_HALF(m + 32 + 2 * h)), L_CVT(L_U8(m + 192 + 16 * j + h)));
+        } else if (fmt == FMT_Q6_K) {
+            const lf d = L_HALF(m + 2 * h);
+            scale[hh] = L_MUL(d, L_CVT(L_I8(m + 32 + 16 * j + h)));
+            shi[hh] = L_MUL(d, L_CVT(L_I8(m + 160 + 16 * j + h)));
+            off[hh] = L_ZERO();
+        } else {
+            scale[hh] = L_HALF(m + 2 * h);
+            off[hh] = has_min(fmt) ? L_HALF(m + 32 + 2 * h)
+                : fmt == FMT_Q4_0 ? L_MUL(scale[hh], L_SET1(-8.0f))
+                : fmt == FMT_Q5_0 ? L_MUL(scale[hh], L_SET1(-16.0f)) : L_ZERO();
+        }
     }
-    const int *order = X16_ORDER[tail_block];
-    lf s0[ROWS_MAX], s1[ROWS_MAX];
+    lf s0[ROWS_MAX][NH], s1[ROWS_MAX][NH];
     #pragma GCC unroll 4
     for (int p = 0; p < 4; p++) {
-        lf f[2][4];
-        x16_codes(fmt, codes, planes, bit4, order[2 * p], h, f[0]);
-        x16_codes(fmt, codes, planes, bit4, order[2 * p + 1], h, f[1]);
-        for (int r = 0; r < R; r++) {
-            const float *xb = x + r * ldx + 32 * (size_t)b;
-            lf q[2];
+        const int i0 = x16_order(tail_block, 2 * p), i1 = x16_order(tail_block, 2 * p + 1);
+        if (nh == 1) {  /* a pair's codes, then row by row: the fewest live sums for many rows */
+            lf f[2][4];
+            x16_codes(fmt, codes, planes, bit4[h0], cb, i0, h0 * LW, f[0]);
+            x16_codes(fmt, codes, planes, bit4[h0], cb, i1, h0 * LW, f[1]);
+            for (int r = 0; r < R; r++) {
+                const float *xb = x + r * ldx + 32 * (size_t)b;
+                const lf q0 = x16_partial(fmt, f[0], xb, i0, scale[h0], shi[h0]);
+                const lf q1 = x16_partial(fmt, f[1], xb, i1, scale[h0], shi[h0]);
+                x16_add_pair(p, &s0[r][h0], &s1[r][h0], L_ADD(q0, q1));
+            }
+        } else {  /* both halves: one partial sum's codes at a time, the fewest registers */
+            lf q[ROWS_MAX][NH];
             #pragma GCC unroll 2
             for (int e = 0; e < 2; e++) {
-                const int i = order[2 * p + e];
-                lf lo = L_FMA(f[e][1], L_SET1(xb[8 + i]), L_MUL(f[e][0], L_SET1(xb[i])));
-                if (fmt == FMT_Q6_K) {
-                    const lf hi = L_FMA(f[e][3], L_SET1(xb[24 + i]), L_MUL(f[e][2], L_SET1(xb[16 + i])));
-                    q[e] = L_FMA(hi, shi, L_MUL(lo, scale));
-                } else {
-                    lo = L_FMA(f[e][2], L_SET1(xb[16 + i]), lo);
-                    q[e] = L_FMA(f[e][3], L_SET1(xb[24 + i]), lo);
+                const int i = e ? i1 : i0;
+                lf f[NH][4];
+                for (int hh = 0; hh < NH; hh++)
+                    x16_codes(fmt, codes, planes, bit4[hh], cb, i, hh * LW, f[hh]);
+                for (int r = 0; r < R; r++) {
+                    const float *xb = x + r * ldx + 32 * (size_t)b;
+                    for (int hh = 0; hh < NH; hh++) {
+                        const lf qe = x16_partial(fmt, f[hh], xb, i, scale[hh], shi[hh]);
+                        if (e == 0) q[r][hh] = qe;
+                        else x16_add_pair(p, &s0[r][hh], &s1[r][hh], L_ADD(q[r][hh], qe));
+                    }
                 }
             }
-            const lf pair = L_ADD(q[0], q[1]);
-            if (p == 0) s0[r] = pair;
-            else if (p == 1) s0[r] = L_ADD(s0[r], pair);
-            else if (p == 2) s1[r] = pair;
-            else s1[r] = L_ADD(s1[r], pair);
         }
     }
     for (int r = 0; r < R; r++) {
-        const lf s = L_ADD(s0[r], s1[r]);
         const float *xs = xsum + r * ldxs;
-        if (tail_block) {  /* dot_row's tail: tail + (sum * scale + offset * sum(x)) */
-            tail[r] = L_ADD(tail[r], L_FMA(s, scale, L_MUL(off, L_SET1(xs[b]))));
-        } else if (fmt == FMT_Q6_K) {
-            const float *halves = xs + nb + 16 * (size_t)(b / 8) + b % 8;
-            const lf o = L_FMA(scale, L_SET1(halves[0]), L_MUL(shi, L_SET1(halves[8])));
-            acc[r][b % 8] = L_ADD(acc[r][b % 8], L_FMA(o, L_SET1(-32.0f), s));
-        } else {
-            acc[r][b % 8] = L_FMA(s, scale, acc[r][b % 8]);
-            if (fmt != FMT_Q8_0)
-                acc[r][b % 8] = L_FMA(off, L_SET1(xs[b]), acc[r][b % 8]);
+        for (int hh = h0; hh < h0 + nh; hh++) {
+            const lf s = L_ADD(s0[r][hh], s1[r][hh]);
+            lf *a = &acc[r][b % 8][hh];
+            if (tail_block) {  /* dot_row's tail: tail + (sum * scale + offset * sum(x)) */
+                tail[r][hh] = L_ADD(tail[r][hh], L_FMA(s, scale[hh], L_MUL(off[hh], L_SET1(xs[b]))));
+            } else if (fmt == FMT_Q6_K) {
+                const float *halves = xs + nb + 16 * (size_t)(b / 8) + b % 8;
+                const lf o = L_FMA(scale[hh], L_SET1(halves[0]), L_MUL(shi[hh], L_SET1(halves[8])));
+                *a = L_ADD(*a, L_FMA(o, L_SET1(-32.0f), s));
+            } else {
+                *a = L_FMA(s, scale[hh], *a);
+                if (fmt != FMT_Q8_0)
+                    *a = L_FMA(off[hh], L_SET1(xs[b]), *a);
+            }
         }
     }
 }
@@ -1246,31 +1339,39 @@ INLINE void dot_x16_fmt(int fmt, const uint8_t *g, int nb, const float *x, size_
                         const float *xsum, size_t ldxs, int R, float *out) {
     const int nbu = x16_unit_blocks(fmt), whole = nb / 8 * 8;
     const size_t ch = x16_chunk(fmt), per_block = ch / nbu;
-    for (int h = 0; h < X16; h += LW) {
-        lf acc[ROWS_MAX][8], tail[ROWS_MAX];
-        for (int r = 0; r < R; r++) {
-            tail[r] = L_ZERO();
-            for (int j = 0; j < 8; j++) acc[r][j] = L_ZERO();
+    lf acc[ROWS_MAX][8][NH], tail[ROWS_MAX][NH];
+    _Alignas(32) uint8_t bytes[512];  /* x16_code_bytes' */
+    for (int r = 0; r < R; r++)
+        for (int hh = 0; hh < NH; hh++) {
+            tail[r][hh] = L_ZERO();
+            for (int j = 0; j < 8; j++) acc[r][j][hh] = L_ZERO();
         }
+    /* Both halves of a group in one pass over its blocks where that pays: one row of x, and the
+     * formats whose codes are made as bytes for 16 rows at once; for more rows of x the halves'
+     * sums together outgrow the registers, and a pass each is faster (AVX2: NH = 2). */
+    const int nh = R <= 2 || X16_CODE_BYTES(fmt) ? NH : 1;
+    for (int h0 = 0; h0 < NH; h0 += nh) {
         for (int b = 0; b < nb; b++) {
             const uint8_t *c = g + (size_t)(b / nbu) * ch;
             /* the group's bytes stream in order: a block's share of them, PREFETCH_AHEAD on */
-            if (h == 0) {
+            if (h0 == 0) {
                 const char *ahead = (const char *)g + (size_t)b * per_block + PREFETCH_AHEAD;
                 for (size_t l = 0; l < per_block; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
             }
             if (b < whole)
-                x16_block(fmt, c, nb, b, 0, h, x, ldx, xsum, ldxs, R, acc, tail);
+                x16_block(fmt, c, nb, b, 0, x, ldx, xsum, ldxs, R, acc, tail, h0, nh, bytes);
             else
-                x16_block(fmt, c, nb, b, 1, h, x, ldx, xsum, ldxs, R, acc, tail);
-        }
-        for (int r = 0; r < R; r++) {
-            const lf *a = acc[r];
-            const lf s = L_ADD(L_ADD(L_ADD(a[0], a[4]), L_ADD(a[2], a[6])),
-                               L_ADD(L_ADD(a[1], a[5]), L_ADD(a[3], a[7])));
-            L_STORE(out + r * X16 + h, L_ADD(s, tail[r]));
+                x16_block(fmt, c, nb, b, 1, x, ldx, xsum, ldxs, R, acc, tail, h0, nh, bytes);
         }
     }
+    for (int r = 0; r < R; r++)
+        for (int hh = 0; hh < NH; hh++) {
+            lf a[8];
+            for (int j = 0; j < 8; j++) a[j] = acc[r][j][hh];
+            const lf s = L_ADD(L_ADD(L_ADD(a[0], a[4]), L_ADD(a[2], a[6])),
+                               L_ADD(L_ADD(a[1], a[5]), L_ADD(a[3], a[7])));
+            L_STORE(out + r * X16 + hh * LW, L_ADD(s, tail[r][hh]));
+        }
 }
 
 /* dot_x16_fmt for the format at run time; one row of x (a decode step at batch 1) with the
