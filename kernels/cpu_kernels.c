@@ -1168,7 +1168,7 @@ INLINE void x16_codes(int fmt, const uint8_t *codes, const uint8_t *planes, cons
 
 /* The order in which a block's 8 partial sums are added in pairs: reduce8_ps's (a whole group
  * of 8 blocks: 0, 1, ..., 7) and hsum's (a block past it: 0, 4, 2, 6, 1, 5, 3, 7, the 3-bit
- * reversal). Arithmetic rather than a table, so that the segments' offsets fold into immediates. */
+ * reversal). Arithmetic rather than a table lookup: with k known, the compiler folds it. */
 INLINE int x16_order(int tail_block, int k) {
     return tail_block ? ((k & 1) << 2) | (k & 2) | ((k >> 2) & 1) : k;
 }
@@ -1188,7 +1188,9 @@ INLINE void x16_code_bytes(int fmt, const uint8_t *codes, const uint8_t *planes,
         const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 32 * i));
         __m256i lo = _mm256_and_si256(v, m4);                         /* weights i | 8 + i */
         __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);   /* 16 + i | 24 + i */
-        if (fmt == FMT_Q6_K) {  /* plane byte i: bits 2j, 2j + 1 are bits 4-5 of weight i + 8j */
+        if (fmt == FMT_Q6_K) {  /* plane byte i: bits 2j, 2j + 1 are bits 4-5 of weight i + 8j;
+                                  * 32-bit shifts (j = 0, 1 in lo's halves, 2, 3 in hi's): what
+                                  * crosses from a neighbouring byte lands outside the mask */
             const __m256i pl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(planes + 16 * i)));
             const __m256i m = _mm256_set1_epi8(0x30);
             lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_sllv_epi32(pl, _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2)), m));
@@ -1218,9 +1220,9 @@ INLINE void x16_code_bytes(int fmt, const uint8_t *codes, const uint8_t *planes,
 }
 #endif
 
-/* Vectors a group of 16 rows takes: 1 with AVX-512F, 2 (8 lanes each) without. Both halves go
- * through a block in the same pass, so that each broadcast of x, each address and each loop
- * step serves 16 rows on either build. */
+/* Vectors a group of 16 rows takes: 1 with AVX-512F, 2 (8 lanes each) without. x16_block takes
+ * the halves h0 to h0 + nh - 1 of a block in one pass: both where dot_x16_fmt finds that pays
+ * (each broadcast of x, each address and each loop step then serves 16 rows), else one. */
 #define NH (X16 / LW)
 
 /* Partial sum i of a block for one row of x (``xb``: the block's 32 values of it), every lane of
