@@ -1338,7 +1338,7 @@ INLINE void x16_block(int fmt, const uint8_t *c, int nb, int b, int tail_block,
 /* out[r * 16 + t] = dot(row t of group g, x row r) for r < R (<= ROWS_MAX), exact: each value
  * bitwise dot_row's for that weight row and that row of x. */
 INLINE void dot_x16_fmt(int fmt, const uint8_t *g, int nb, const float *x, size_t ldx,
-                        const float *xsum, size_t ldxs, int R, float *out) {
+                        const float *xsum, size_t ldxs, int R, float *out, int merge) {
     const int nbu = x16_unit_blocks(fmt), whole = nb / 8 * 8;
     const size_t ch = x16_chunk(fmt), per_block = ch / nbu;
     lf acc[ROWS_MAX][8][NH], tail[ROWS_MAX][NH];
@@ -1348,10 +1348,9 @@ INLINE void dot_x16_fmt(int fmt, const uint8_t *g, int nb, const float *x, size_
             tail[r][hh] = L_ZERO();
             for (int j = 0; j < 8; j++) acc[r][j][hh] = L_ZERO();
         }
-    /* Both halves of a group in one pass over its blocks where that pays: one row of x, and the
-     * formats whose codes are made as bytes for 16 rows at once; for more rows of x the halves'
-     * sums together outgrow the registers, and a pass each is faster (AVX2: NH = 2). */
-    const int nh = R <= 2 || X16_CODE_BYTES(fmt) ? NH : 1;
+    /* ``merge``: both halves of a group in one pass over its blocks (dot_x16 says where that
+     * pays), else a pass each (AVX2: NH = 2; with AVX-512 one pass either way). */
+    const int nh = merge ? NH : 1;
     for (int h0 = 0; h0 < NH; h0 += nh) {
         for (int b = 0; b < nb; b++) {
             const uint8_t *c = g + (size_t)(b / nbu) * ch;
@@ -1378,10 +1377,15 @@ INLINE void dot_x16_fmt(int fmt, const uint8_t *g, int nb, const float *x, size_
 
 /* dot_x16_fmt for the format at run time; one row of x (a decode step at batch 1) with the
  * count known at compile time, its sums in registers (~10% faster per kernel; every count
- * compiled apart cost 4x the library's compile time for a few % more at 2-8 rows). */
+ * compiled apart cost 4x the library's compile time for a few % more at 2-8 rows). Without
+ * AVX-512 the halves of a group share a pass for one or two rows of x, and for any number with
+ * the formats whose codes are made as bytes for 16 rows at once; with three rows or more of
+ * the others the two halves' sums outgrow the 16 registers and a pass each is faster. Two rows
+ * are compiled apart there too: the merged pass for any count doubled the compile time. */
 #define DOT_X16_FMT(F) \
-    if (R == 1) dot_x16_fmt(F, g, nb, x, ldx, xsum, ldxs, 1, out); \
-    else dot_x16_fmt(F, g, nb, x, ldx, xsum, ldxs, R, out); \
+    if (R == 1) dot_x16_fmt(F, g, nb, x, ldx, xsum, ldxs, 1, out, 1); \
+    else if (NH > 1 && R == 2 && !X16_CODE_BYTES(F)) dot_x16_fmt(F, g, nb, x, ldx, xsum, ldxs, 2, out, 1); \
+    else dot_x16_fmt(F, g, nb, x, ldx, xsum, ldxs, R, out, X16_CODE_BYTES(F)); \
     break;
 
 static void dot_x16(int fmt, const uint8_t *g, int nb, const float *x, size_t ldx,
