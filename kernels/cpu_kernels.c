@@ -1088,14 +1088,14 @@ static void dot_rows(int fmt, const uint8_t *row, size_t rb, const float *x, siz
 
 /* -- a few rows of x times a group of 16 weight rows in x16, bitwise dot_row ----------------------
  *
- * Lane r of every vector is weight row r of the group (16 lanes with AVX-512F; without it each
- * half of the group in turn, 8 lanes). For block b and a row of x, P[i] (i < 8) is dot_row's
+ * Lane r of every vector is weight row r of the group (16 lanes with AVX-512F; without it two
+ * halves of 8 lanes, in one pass or one after the other: dot_x16). For block b and a row of x, P[i] (i < 8) is dot_row's
  * partial sum i, made with the same operations lane by lane: code(i) x[i], then FMAs of
  * code(8 + i) x[8 + i], code(16 + i) x[16 + i], code(24 + i) x[24 + i] (Q6_K: its two halves
  * apart, then scaled as group_f32 does); the block's sum adds them in reduce8_ps's order
  * ((P0 + P1) + (P2 + P3)) + ((P4 + P5) + (P6 + P7)), or in hsum's for a block past the last
  * whole group of 8 ((P0 + P4) + (P2 + P6)) + ((P1 + P5) + (P3 + P7)): the pairs come in the
- * order X16_ORDER lists. The scaled block sums go into acc[b % 8], as they go into dot_row's
+ * order x16_order gives. The scaled block sums go into acc[b % 8], as they go into dot_row's
  * lane b % 8, and the row's result adds those 8 in hsum's order, then the tail. */
 
 #ifdef __AVX512F__
@@ -1141,7 +1141,8 @@ typedef __m256i li;
 /* The codes of partial sum i of a block (weights i, 8 + i, 16 + i, 24 + i) for the lanes from
  * byte ``h`` of each segment, as floats; Q6_K's not centred (its -32 comes through x's sums).
  * ``bit4``: the 5-bit formats' plane bytes 0-3 of the lanes, shifted left by 4 (byte j's bit i
- * is bit 4 of weight 8j + i). */
+ * is bit 4 of weight 8j + i). ``cb``: where not NULL, the block's whole codes as bytes
+ * (x16_code_bytes, without AVX-512), read instead of ``codes``, ``planes`` and ``bit4``. */
 INLINE void x16_codes(int fmt, const uint8_t *codes, const uint8_t *planes, const li bit4[4],
                       const uint8_t *cb, int i, int h, lf f[4]) {
     if (cb) {  /* whole codes as bytes (x16_code_bytes) */
