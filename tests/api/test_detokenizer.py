@@ -143,8 +143,9 @@ def test_backend_fast_path_gives_the_wrappers_deltas(request, kind, text) -> Non
 @settings(max_examples=80, deadline=None)
 @given(data=st.data(), skip=st.booleans())
 def test_the_byte_level_shortcut_gives_the_windows_deltas(byte_level, data, skip) -> None:
-    """Any ids of the vocabulary (special tokens, lone bytes of a character, invalid runs) one at
-    a time: the per-token shortcut of a byte-level decoder says exactly what the window says."""
+    """Any ids of the vocabulary (special tokens, lone bytes of a character, invalid runs), added
+    one at a time or several at once (a read that found more than one token): the shortcut of a
+    byte-level decoder says exactly what the window says."""
     tok = byte_level
     vocab = len(tok)
     ids = data.draw(st.lists(st.integers(0, vocab - 1), max_size=24), label="ids")
@@ -153,8 +154,12 @@ def test_the_byte_level_shortcut_gives_the_windows_deltas(byte_level, data, skip
     slow = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
     assert fast._bytewise
     slow._bytewise = False
-    for i in ids:
-        assert fast.add([i]) == slow.add([i])
+    at = 0
+    while at < len(ids):
+        run = ids[at:at + data.draw(st.integers(1, 4), label="run")]
+        at += len(run)
+        assert fast.add(run) == slow.add(run)
+        assert fast.num_held_tokens == slow.num_held_tokens  # the same tokens wait
     assert fast.flush() == slow.flush()
 
 

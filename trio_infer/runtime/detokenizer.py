@@ -128,11 +128,16 @@ class IncrementalDetokenizer:
         # character (a window starting inside one would decode its first bytes as U+FFFD, and
         # byte-fallback decoders then garble the whole byte run, new bytes included).
         tail = list(prompt_ids[-_PREFIX_WINDOW:])
-        starts = (i for i in range(len(tail)) if not self._decode(tail[i:]).startswith(REPLACEMENT_CHAR))
-        self._ids: list[int] = tail[next(starts, 0) :]
+        start, text = 0, None
+        for i in range(len(tail)):
+            decoded = self._decode(tail[i:])
+            if not decoded.startswith(REPLACEMENT_CHAR):
+                start, text = i, decoded  # the window's text: decoded once (per request)
+                break
+        self._ids: list[int] = tail[start:]
         self._prefix = 0  # the window: self._ids[self._prefix:]
         self._read = len(self._ids)  # tokens before this index have been emitted
-        self._prefix_text = self._decode(self._ids[self._prefix : self._read])
+        self._prefix_text = text if text is not None else self._decode(self._ids)
 
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
@@ -147,16 +152,16 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the text that is now final (possibly empty)."""
-        if self._bytewise and len(token_ids) == 1 and self._read == len(self._ids):
-            # The usual token of a byte-level tokenizer: nothing held, and the token is whole
-            # characters. Its text is then exactly what the window's decode would add (bytes
-            # join), and the window becomes the token alone, as _commit would leave it: one
-            # decode of one token instead of two of the window and the Python around them
-            # (run for every streamed token).
+        if self._bytewise and token_ids and self._read == len(self._ids):
+            # The usual case of a byte-level tokenizer: nothing held, and the new tokens are
+            # whole characters. Their text is then exactly what the window's decode would add
+            # (bytes join), and the window becomes those tokens, as _commit would leave it: one
+            # decode of the new tokens instead of two of the window and the Python around them
+            # (run for every streamed read: one token, or several when the front end is behind).
             piece = self._backend(token_ids, skip_special_tokens=self._skip_special)
             if REPLACEMENT_CHAR not in piece and REPLACEMENT_CHAR not in self._prefix_text:
                 self._ids = list(token_ids)
-                self._prefix, self._read, self._prefix_text = 0, 1, piece
+                self._prefix, self._read, self._prefix_text = 0, len(self._ids), piece
                 return piece
         self._ids.extend(token_ids)
         return self._advance(final=False)
