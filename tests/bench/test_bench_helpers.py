@@ -11,7 +11,12 @@ import pytest
 
 from trio_infer.bench import procstat, stats
 from trio_infer.bench.frontend import _interp
-from trio_infer.bench.offline import resolve_checkpoint, token_range
+from trio_infer.bench.offline import (
+    add_arguments,
+    resolve_checkpoint,
+    speculative_overrides,
+    token_range,
+)
 from trio_infer.bench.workload import (
     LengthRange,
     make_text_workload,
@@ -164,3 +169,18 @@ def test_a_llama_cpp_built_with_amx_is_refused_with_the_rebuild_command() -> Non
     with pytest.raises(SystemExit, match="mno-amx-int8"):
         llamacpp.refuse_amx("CPU : SSE3 = 1 | AVX512 = 1 | AMX_INT8 = 1 | OPENMP = 1 |")
     llamacpp.refuse_amx("CPU : SSE3 = 1 | AVX512 = 1 | OPENMP = 1 |")  # no AMX: nothing said
+
+
+def test_speculative_options_reach_the_engine_settings() -> None:
+    """Each ``--speculative-*`` option given becomes the engine setting of its name; one not
+    given leaves the server's default (absent from the overrides)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    plain = parser.parse_args(["--speculative", "ngram"])
+    assert speculative_overrides(plain) == {"speculative": "ngram"}
+    given = parser.parse_args(["--speculative", "ngram", "--speculative-tokens", "6",
+                               "--speculative-ngram", "4", "--speculative-ngram-min", "1",
+                               "--speculative-max-batch", "2", "--no-speculative-payoff"])
+    assert speculative_overrides(given) == {
+        "speculative": "ngram", "speculative_tokens": 6, "speculative_ngram": 4,
+        "speculative_ngram_min": 1, "speculative_max_batch": 2, "speculative_payoff": False}

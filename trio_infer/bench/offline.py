@@ -156,6 +156,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "to see each kind's figure")
     spec.add_argument("--speculative-tokens", type=int, default=None,
                       help="k: tokens guessed per step (default: the server's)")
+    spec.add_argument("--speculative-ngram", type=int, default=None,
+                      help="prompt lookup's longest match, in tokens (default: the server's)")
+    spec.add_argument("--speculative-ngram-min", type=int, default=None,
+                      help="prompt lookup's shortest match, in tokens (default: the server's)")
     spec.add_argument("--speculative-max-batch", type=int, default=None,
                       help="the off-switch's batch size (default: the server's)")
     spec.add_argument("--no-speculative-payoff", action="store_true",
@@ -391,6 +395,18 @@ def _tokenizer(path: Path, args: argparse.Namespace) -> Any:
     return load_saved_tokenizer(path)
 
 
+def speculative_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine settings the speculative run changes: the mode, and each option given."""
+    out: dict[str, Any] = {"speculative": args.speculative}
+    for name in ("speculative_tokens", "speculative_ngram", "speculative_ngram_min",
+                 "speculative_max_batch"):
+        if getattr(args, name):
+            out[name] = getattr(args, name)
+    if args.no_speculative_payoff:
+        out["speculative_payoff"] = False
+    return out
+
+
 def run_speculative(path: Path, args: argparse.Namespace, workload: list, threads: int) -> int:
     """Ours with speculation against ours without (the same loaded model), and llama-server with
     its n-gram speculation if asked, each once per round, the order alternating by round."""
@@ -408,14 +424,7 @@ def run_speculative(path: Path, args: argparse.Namespace, workload: list, thread
                              f"model {base.model.info.vocab_size}")
         print(f"draft model: {args.speculative_draft_model}", flush=True)
     plain_config = dataclasses.replace(base.config, speculative="off")
-    spec_kw: dict[str, Any] = {"speculative": args.speculative}
-    if args.speculative_tokens:
-        spec_kw["speculative_tokens"] = args.speculative_tokens
-    if args.speculative_max_batch:
-        spec_kw["speculative_max_batch"] = args.speculative_max_batch
-    if args.no_speculative_payoff:
-        spec_kw["speculative_payoff"] = False
-    spec_config = dataclasses.replace(base.config, **spec_kw)
+    spec_config = dataclasses.replace(base.config, **speculative_overrides(args))
     model = base.model
     del base
     print(f"speculative: {dataclasses.asdict(spec_config)}", flush=True)
