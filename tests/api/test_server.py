@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -24,6 +25,8 @@ from typing import Any, Iterator
 import httpx
 import openai
 import pytest
+
+from kernels import cpu
 
 from .helpers import metric
 
@@ -62,6 +65,24 @@ class Server:
             time.sleep(0.02)
 
 
+def server_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The cache folder (``TRIO_INFER_CACHE_DIR``) of the test session's server processes: one
+    for all of them, apart from the user's, holding a copy of the C kernels the session's own
+    processes use (built into the user's cache once, as the in-process tests build them). A
+    fresh folder per server compiled them again for each: 30-40 s on 2 cores, ten servers."""
+    cache = tmp_path_factory.getbasetemp() / "server-cache"
+    kernels = cache / "kernels"
+    if not kernels.exists():
+        kernels.mkdir(parents=True)
+        try:
+            built = cpu.build()
+        except cpu.BuildError:
+            pass  # the servers find no compiler either, and say so
+        else:
+            shutil.copy2(built, kernels / built.name)
+    return cache
+
+
 def start_server(
     checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, extra_env: dict[str, str] | None = None
 ) -> Iterator[Server]:
@@ -72,7 +93,7 @@ def start_server(
     env = {
         **os.environ,
         "TRIO_INFER_MODEL": str(checkpoint),
-        "TRIO_INFER_CACHE_DIR": str(tmp_path_factory.mktemp("cache")),
+        "TRIO_INFER_CACHE_DIR": str(server_cache(tmp_path_factory)),
         "TRIO_INFER_TORCH_THREADS": "1",
         "TRIO_INFER_MAX_BODY_BYTES": str(MAX_BODY),
         "TRIO_INFER_MAX_N": "4",

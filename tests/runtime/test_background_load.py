@@ -25,6 +25,8 @@ from trio_infer.runtime.loading import build_engine
 from trio_infer.runtime.worker import TEST_LOAD_DELAY_ENV
 from trio_infer.settings import Settings
 
+from tests.api.test_server import server_cache
+
 from .test_worker_process import alive, children, free_port, wait_for
 
 API_ROUTES = [
@@ -63,14 +65,15 @@ def status_code(url: str) -> int:
 
 
 def start(command: str, model: Path | str, tmp_path: Path, delay_s: float = 0,
-          workers: str | None = None) -> tuple[subprocess.Popen, str, Path]:
+          workers: str | None = None, cache: Path | None = None) -> tuple[subprocess.Popen, str, Path]:
     """``serve`` or bare ``hypercorn`` on ``model``, its output in a log file. Under hypercorn,
     a config file sets ``startup_timeout`` to 1 s: a lifespan startup that waited for the load
-    (``delay_s`` longer) would fail."""
+    (``delay_s`` longer) would fail. ``cache``: its cache folder (default: a fresh one, whose
+    C kernels are compiled at load)."""
     port = free_port()
     log = tmp_path / f"{command}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRIO_INFER_MODEL": str(model),
-           "TRIO_INFER_CACHE_DIR": str(tmp_path / "cache"), "TRIO_INFER_TORCH_THREADS": "1"}
+           "TRIO_INFER_CACHE_DIR": str(cache or tmp_path / "cache"), "TRIO_INFER_TORCH_THREADS": "1"}
     if delay_s:
         env[TEST_LOAD_DELAY_ENV] = str(delay_s)
     if command == "serve":
@@ -107,9 +110,12 @@ def assert_loading_503(r: httpx.Response) -> None:
 
 @pytest.mark.parametrize("command", ["serve", "hypercorn"])
 def test_listens_at_once_answers_503_while_loading_then_serves(
-    command: str, tiny_checkpoint: Path, tmp_path: Path, processes: list[subprocess.Popen]
+    command: str, tiny_checkpoint: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+    processes: list[subprocess.Popen],
 ) -> None:
-    proc, url, log = start(command, tiny_checkpoint, tmp_path, delay_s=6)
+    # The session's shared cache: the load's delay is the knob's, not a compile of the kernels.
+    proc, url, log = start(command, tiny_checkpoint, tmp_path, delay_s=6,
+                           cache=server_cache(tmp_path_factory))
     processes.append(proc)
     wait_for(lambda: status_code(url) != 0 or proc.poll() is not None, 60, "the server to listen")
     assert proc.poll() is None, log.read_text()[-3000:]
