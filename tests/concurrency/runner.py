@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Hashable, Iterator
 
 import msgspec
-import torch
+import numpy as np
 import trio
 import trio.testing
 
@@ -675,8 +675,8 @@ class WrongDraft(FakeModel):
 
     def forward(self, batch, k_caches, v_caches):  # type: ignore[no-untyped-def]
         logits = super().forward(batch, k_caches, v_caches)
-        wrong = (batch.positions[batch.logits_indices] % 3 == 0).nonzero().flatten()
-        logits[wrong] = logits[wrong].roll(1, dims=-1)
+        wrong = np.flatnonzero(batch.positions[batch.logits_indices] % 3 == 0)
+        logits[wrong] = np.roll(logits[wrong], 1, axis=-1)
         return logits
 
 
@@ -695,7 +695,7 @@ def build_engine(shape, fail_steps: frozenset[int], probe: Probe, capacity: int,
                      speculative_min_acceptance=0.0, speculative_payoff=False,
                      # the draft pool: draft_pages pages of the fake model's (one float64 each)
                      speculative_draft_kv_bytes=(shape.draft_pages * KVCache.bytes_per_page(
-                         1, shape.page_size, 1, 1, torch.float64) if draft else 0)),
+                         1, shape.page_size, 1, 1, "float64") if draft else 0)),
         fail_steps,
         probe,
         capacity,

@@ -1,8 +1,8 @@
-"""The model runner's decode batch: the tensors a step of one-token decodes hands the model."""
+"""The model runner's decode batch: the arrays a step of one-token decodes hands the model."""
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from trio_infer.engine.kv_cache import KVCache
 from trio_infer.engine.model_runner import ModelRunner
@@ -14,8 +14,8 @@ PAGE = 4
 
 
 def runner() -> ModelRunner:
-    kv = KVCache(1, 64, PAGE, 1, 2, torch.float32)
-    return ModelRunner(model=None, kv_cache=kv, device=torch.device("cpu"))  # type: ignore[arg-type]
+    kv = KVCache(1, 64, PAGE, 1, 2, "float32")
+    return ModelRunner(model=None, kv_cache=kv, device="cpu")  # type: ignore[arg-type]
 
 
 def decodes(lengths: list[int], first_page: int = 0) -> Schedule:
@@ -47,17 +47,17 @@ def test_a_decode_batch_holds_what_the_schedule_says() -> None:
     assert (batch.num_decodes, batch.max_query_len, batch.max_seq_len) == (3, 1, 13)
     # The one-call C step reads them by pointer: int64, rows of the page table contiguous.
     for t in (batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens):
-        assert t.dtype == torch.int64 and t.is_contiguous()
-    assert batch.page_table.dtype == torch.int64 and batch.page_table.stride() == (4, 1)
+        assert t.dtype == np.int64 and t.flags.c_contiguous
+    assert batch.page_table.dtype == np.int64 and batch.page_table.strides == (4 * 8, 8)
 
 
 def test_a_decode_batch_is_a_snapshot_the_next_step_leaves_alone() -> None:
     r = runner()
     first, _, _ = r.prepare(decodes([3, 5]))
-    kept = {name: getattr(first, name).clone() for name in
+    kept = {name: getattr(first, name).copy() for name in
             ("input_ids", "positions", "slot_mapping", "page_table", "seq_lens", "query_start_loc",
              "logits_indices")}
     second, _, _ = r.prepare(decodes([9, 2], first_page=20))
     assert second.positions.tolist() == [8, 1]
     for name, values in kept.items():
-        assert torch.equal(getattr(first, name), values), name
+        assert np.array_equal(getattr(first, name), values), name

@@ -1,5 +1,7 @@
-"""The front end never imports torch nor transformers: a real server on the default model, after
-startup and a streamed chat request, holds neither in its ``sys.modules``.
+"""Neither process of a server on the default model imports torch: after startup and a streamed
+chat request the front end holds neither torch nor transformers in its ``sys.modules``, and the
+batching worker, which serves the GGUF file on the CPU kernels' numpy model
+(``models/cpu_llama.py``), has not loaded torch's library.
 
 The process boundary is a module boundary (``trio_infer/wire.py``): what crosses it is plain
 msgspec structs, and the tokenizer is the thin one (``runtime/thin_tokenizer.py``: the
@@ -50,15 +52,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rss_kb(pid: int) -> int:
+def _rss_kb(pid: int, field: str = "VmRSS") -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
     return 0
 
 
+def _children(pid: int) -> list[int]:
+    """The process's direct children (Linux: /proc/<pid>/task/*/children)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
 @pytest.mark.skipif(not SMOLLM2.exists(), reason=f"{SMOLLM2} is absent (`make venv` fetches it)")
-def test_the_front_end_imports_neither_torch_nor_transformers_models(tmp_path: Path) -> None:
+def test_neither_process_imports_torch_and_the_front_end_no_transformers_models(tmp_path: Path) -> None:
     from trio_infer.runtime.tokenizer_cache import load_gguf_tokenizer_cached
 
     # The first start of a machine converts the GGUF tokenizer once (that imports torch and
@@ -93,6 +103,11 @@ def test_the_front_end_imports_neither_torch_nor_transformers_models(tmp_path: P
             body = "".join(response.iter_text())
         assert body.rstrip().endswith("data: [DONE]") and '"logprobs"' in body
         serving_rss_kb = _rss_kb(proc.pid)
+        # The batching worker: torch's import maps libtorch_cpu.so, the first thing it loads.
+        workers = _children(proc.pid)
+        assert len(workers) == 1, f"expected one worker process, found {workers}"
+        worker_maps = Path(f"/proc/{workers[0]}/maps").read_text()
+        worker_peak_kb = _rss_kb(workers[0], "VmHWM")
     finally:
         proc.send_signal(signal.SIGTERM)
         output = proc.communicate(timeout=60)[0]
@@ -110,5 +125,7 @@ def test_the_front_end_imports_neither_torch_nor_transformers_models(tmp_path: P
     assert not heavy, f"the front end imported model code: {heavy[:10]}"
     transformers = sorted(m for m in modules if m == "transformers" or m.startswith("transformers."))
     assert not transformers, f"the front end imported transformers: {transformers[:10]}"
+    assert "libtorch" not in worker_maps, "the batching worker imported torch"
     print(f"front end RSS: {serving_rss_kb / 1024:.0f} MB while serving, "
-          f"{got['rss_kb'] / 1024:.0f} MB at exit, peak {got['peak_rss_kb'] / 1024:.0f} MB")
+          f"{got['rss_kb'] / 1024:.0f} MB at exit, peak {got['peak_rss_kb'] / 1024:.0f} MB; "
+          f"worker peak {worker_peak_kb / 1024:.0f} MB")

@@ -35,7 +35,6 @@ from trio_infer.bench.engine_setup import (
     set_threads,
     special_token_ids,
     token_range,
-    torch_dtype,
     warmup_request,
 )
 from trio_infer.bench.workload import make_workload, parse_range
@@ -110,7 +109,7 @@ def main(args: argparse.Namespace) -> int:
                              end_id, seed=args.seed, first_id=first_id)
     prompts = [r.prompt_ids for r in workload]
 
-    model = load_model(path, dtype=torch_dtype(args.dtype), device="cpu")
+    model = load_model(path, dtype=args.dtype, device="cpu", threads=threads)
     tokenizer = load_tokenizer(path)
     t = time.perf_counter()
     grammars = Grammars.for_hf_tokenizer(tokenizer, model.info.vocab_size, model.info.eos_token_ids)

@@ -167,10 +167,19 @@ def token_range(vocab_size: int, special: set[int] | None) -> tuple[int, int]:
 
 
 def set_threads(args: argparse.Namespace) -> int:
+    """torch's thread count for the bench's torch models and baselines; :func:`bench_threads`."""
     from trio_infer.runtime.loading import configure_torch_threads
     from trio_infer.settings import Settings
 
     return configure_torch_threads(Settings(torch_threads=args.threads))
+
+
+def bench_threads(args: argparse.Namespace) -> int:
+    """The engine's thread count for ``--threads``, as a worker's (Settings.worker_threads): the
+    CPU kernels' model takes it at load, a torch model reads torch's (:func:`set_threads`)."""
+    from trio_infer.settings import Settings
+
+    return Settings(torch_threads=args.threads).worker_threads()
 
 
 def torch_dtype(name: str) -> Any:
@@ -180,10 +189,9 @@ def torch_dtype(name: str) -> Any:
 
 
 def kv_bytes_per_token(info: Any) -> int:
-    import torch
+    from trio_infer.engine.kv_cache import ITEMSIZE
 
-    elem = torch.empty((), dtype=info.dtype).element_size()
-    return 2 * info.num_layers * info.num_kv_heads * info.head_dim * elem
+    return 2 * info.num_layers * info.num_kv_heads * info.head_dim * ITEMSIZE[info.dtype]
 
 
 # -- our engine -------------------------------------------------------------------------------
@@ -229,9 +237,9 @@ def build_engine(path: Path, args: argparse.Namespace, workload: list[BenchReque
     from trio_infer.engine.engine import Engine
     from trio_infer.models.loader import load_model
 
-    model = load_model(path, dtype=torch_dtype(args.dtype), device="cpu",
+    model = load_model(path, dtype=args.dtype, device="cpu",
                        keep_blocks=False if args.no_gguf_blocks else None,
-                       activations=args.activations)
+                       activations=args.activations, threads=bench_threads(args))
     tokens = sum(r.prompt_len + r.output_len for r in workload)
     config = engine_config(args, tokens, kv_bytes_per_token(model.info), prefix_cache)
     return Engine(model, config, device="cpu")

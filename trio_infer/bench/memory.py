@@ -11,8 +11,9 @@ pages of a memory-mapped file it touched, as llama.cpp's mmap load does).
   server's worker builds its engine (:func:`trio_infer.runtime.loading.build_engine`: model,
   tokenizer, grammar compiler), with a KV pool of ``--context`` tokens; llama.cpp
   (llama-cpp-python, the ``bench-llamacpp`` extra) gets ``n_ctx=--context`` and its defaults
-  (fp16 KV, mmap). Ours also reports where its memory went: the interpreter with torch
-  imported, the packed weights, other weights, the KV pool, and the rest.
+  (fp16 KV, mmap). Ours also reports where its memory went: the interpreter with what the
+  worker imports before it loads (no torch for a GGUF file the CPU kernels serve), the packed
+  weights, other weights, the KV pool, and the rest.
 - ``--baseline llama-server``: both sides as servers. Ours is ``python -m trio_infer serve``
   with a KV pool of ``--context`` tokens, and the figure is its batching worker's process (the
   front end's is printed beside it: another issue's); llama-server (the binary ``bench
@@ -66,15 +67,13 @@ def peak_kib(pid: int | str = "self") -> dict[str, int]:
 
 def kv_cache_mb(path: str, context: int, kv_cache_dtype: str) -> int:
     """The KV pool, MiB, that holds ``context`` tokens of the model at ``path`` in pages of 16."""
-    import torch
-
     from trio_infer.engine.kv_cache import KVCache, resolve_kv_dtype
     from trio_infer.models.gguf_loader import GGUFCheckpoint
 
     config = GGUFCheckpoint.open(path).config
     heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    dtype = resolve_kv_dtype(kv_cache_dtype, torch.float32, "cpu")
+    dtype = resolve_kv_dtype(kv_cache_dtype, "float32", "cpu")
     per_page = KVCache.bytes_per_page(config.num_hidden_layers, 16, heads, head_dim, dtype)
     return math.ceil(math.ceil(context / 16) * per_page / 2**20)
 
@@ -82,6 +81,8 @@ def kv_cache_mb(path: str, context: int, kv_cache_dtype: str) -> int:
 def model_bytes(model: Any) -> dict[str, int]:
     """Bytes of the model's packed weights (each table once: a tied lm_head is the embedding's)
     and of its other tensors (parameters and buffers: norms, biases, the rotary table)."""
+    if hasattr(model, "weight_bytes"):  # the CPU kernels' numpy model (models/cpu_llama.py)
+        return model.weight_bytes()
     packed, seen = 0, set()
     for module in model.modules():
         weight = getattr(module, "packed", None)
@@ -94,12 +95,11 @@ def model_bytes(model: Any) -> dict[str, int]:
 
 
 def run_ours(path: str, context: int, threads: int, kv_cache_dtype: str) -> dict[str, Any]:
-    import torch  # noqa: F401 (what the interpreter costs with torch in it, measured next)
-
-    imported = peak_kib()
     from trio_infer.wire import SamplingParams
     from trio_infer.runtime.loading import build_engine
     from trio_infer.settings import Settings
+
+    imported = peak_kib()  # the interpreter with the worker's modules (torch only if loaded)
 
     kv_mb = kv_cache_mb(path, context, kv_cache_dtype)
     settings = Settings(model=path, torch_threads=threads, kv_cache_mb=kv_mb, page_size=16,
@@ -110,8 +110,9 @@ def run_ours(path: str, context: int, threads: int, kv_cache_dtype: str) -> dict
     engine.add_request(0, list(range(100, 100 + PROMPT_TOKENS)), params)
     while engine.has_unfinished():
         engine.step()
-    kv = sum(t.numel() * t.element_size() for t in [*engine.kv_cache.k, *engine.kv_cache.v])
-    return {"kv_cache_mb": kv_mb, "torch_kib": imported["VmRSS"],
+    kv = sum(t.nbytes for t in [*engine.kv_cache.k, *engine.kv_cache.v])
+    return {"kv_cache_mb": kv_mb, "python_kib": imported["VmRSS"],
+            "torch_imported": "torch" in sys.modules,
             "loaded_kib": loaded["VmRSS"], "loaded_hwm_kib": loaded["VmHWM"],
             "kv_bytes": kv, **model_bytes(engine.model), **peak_kib()}
 
@@ -272,17 +273,20 @@ def main(args: argparse.Namespace) -> int:
 
 
 def breakdown(ours: dict[str, Any]) -> str:
-    """Where our peak went, MiB: the interpreter with torch imported; the packed weights, the
+    """Where our peak went, MiB: the interpreter with the worker's modules (torch is not one of
+    them: a load that needs it imports it, and its ~220 MiB count in the rest of the load); the
+    packed weights, the
     other tensors and the KV pool the load added; the load's own excess (allocator slack, any
     buffer it kept: the resident memory after the load less all the above); and the peak's
     excess over the load (the steps' activations and scratch, and the load's transients if
     they peaked above its end)."""
     mib = 2**20
-    torch_mb = ours["torch_kib"] / 1024
+    python_mb = ours["python_kib"] / 1024
     packed, dense, kv = ours["packed"] / mib, ours["dense"] / mib, ours["kv_bytes"] / mib
     loaded = ours["loaded_kib"] / 1024
-    rest = loaded - torch_mb - packed - dense - kv
-    return (f"python + torch {torch_mb:.0f}, packed weights {packed:.1f}, other tensors "
+    rest = loaded - python_mb - packed - dense - kv
+    torch = "the load imported torch" if ours.get("torch_imported") else "no torch"
+    return (f"python {python_mb:.0f} ({torch}), packed weights {packed:.1f}, other tensors "
             f"{dense:.1f}, KV pool {kv:.1f}, rest of the load {rest:.1f} (RSS after it "
             f"{loaded:.0f}, its peak {ours['loaded_hwm_kib'] / 1024:.0f}), steps "
             f"{ours['VmHWM'] / 1024 - loaded:.1f} MiB")

@@ -54,11 +54,11 @@ from trio_infer.bench.engine_setup import (
     model_config,
     resolve_checkpoint,
     run_engine,
+    bench_threads,
     set_threads,
     special_token_ids,
     supports_prefix_cache_flag,
     token_range,
-    torch_dtype,
 )
 from trio_infer.bench.grounded import DEFAULT_KINDS, KINDS, make_grounded_workload
 from trio_infer.bench.profile import run_profile
@@ -353,6 +353,9 @@ def run_tensor_parallel(path: Path, args: argparse.Namespace, workload: list, th
         for system in order:
             engine, n = engines[system]
             torch.set_num_threads(n)
+            for model in (engine.model, getattr(engine.model, "model", None)):
+                if hasattr(model, "threads"):  # the CPU kernels' model: its own count
+                    model.threads = n
             if engine is one:
                 one.model.fused_decode = system == "one-worker"
             before = loadavg()
@@ -416,9 +419,9 @@ def run_speculative(path: Path, args: argparse.Namespace, workload: list, thread
     base = build_engine(path, args, workload, not args.no_prefix_cache)
     draft = None
     if args.speculative == "draft":
-        draft = load_model(args.speculative_draft_model, dtype=torch_dtype(args.dtype), device="cpu",
+        draft = load_model(args.speculative_draft_model, dtype=args.dtype, device="cpu",
                            keep_blocks=False if args.no_gguf_blocks else None,
-                           activations=args.activations)
+                           activations=args.activations, threads=bench_threads(args))
         if draft.info.vocab_size != base.model.info.vocab_size:
             raise SystemExit(f"error: the draft model has {draft.info.vocab_size} token ids, the "
                              f"model {base.model.info.vocab_size}")
@@ -517,9 +520,9 @@ def run_verify_rows(path: Path, args: argparse.Namespace) -> int:
     from trio_infer.models.loader import load_model
     from trio_infer.wire import SamplingParams
 
-    model = load_model(path, dtype=torch_dtype(args.dtype), device="cpu",
+    model = load_model(path, dtype=args.dtype, device="cpu",
                        keep_blocks=False if args.no_gguf_blocks else None,
-                       activations=args.activations)
+                       activations=args.activations, threads=bench_threads(args))
     n = args.verify_rows
     engine = Engine(model, engine_config(args, args.input_len.lo + 64, kv_bytes_per_token(model.info),
                                          False), device="cpu")
@@ -551,7 +554,8 @@ def run_verify_rows(path: Path, args: argparse.Namespace) -> int:
     stats.print_table(["rows", "fastest ms", "x one row", "median ms", "x one row (median)"],
                       [[rows, 1e3 * min(t), min(t) / fast, 1e3 * statistics.median(t),
                         statistics.median(t) / mid] for rows, t in times.items()])
-    print(f"context {context} tokens, {torch.get_num_threads()} threads, {args.activations} "
+    print(f"context {context} tokens, {getattr(model, 'threads', torch.get_num_threads())} "
+          f"threads, {args.activations} "
           f"activations, {args.rounds} rounds; load average {loadavg():.2f}")
     return 0
 

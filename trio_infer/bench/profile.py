@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from trio_infer.bench import baselines, llamacpp, stats
+from trio_infer.engine.kv_cache import ITEMSIZE
 from trio_infer.bench.engine_setup import (
     build_engine,
     model_config,
@@ -72,6 +73,9 @@ def measure_gemm_flops(m: int, k: int, n: int, dtype: Any, repeats: int = 5) -> 
 def model_footprint(model: Any) -> dict[str, int]:
     """Bytes of weights a decode step reads, and the weight elements that take part in GEMMs."""
     import torch.nn as nn
+
+    if hasattr(model, "footprint"):  # the CPU kernels' numpy model (models/cpu_llama.py)
+        return model.footprint()
 
     embed = None
     lm_head = None
@@ -170,7 +174,7 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
         phases["commit"].append(t3 - t2)
         phases["step"].append(t3 - t0)
     model = engine.model
-    elem = engine.kv_cache.k[0].element_size()  # the KV cache's own dtype (fp16 on the CPU)
+    elem = ITEMSIZE[engine.kv_cache.dtype]  # the KV cache's own dtype (fp16 on the CPU)
     del engine
 
     foot = model_footprint(model)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.kv_cache import KVCache, OutOfPages, PagePool, resolve_kv_dtype
@@ -69,7 +69,7 @@ class DraftModel:
     """The draft model, its KV cache and page pool: one per engine."""
 
     def __init__(self, model: CausalLM, page_size: int, num_pages: int,
-                 kv_cache_dtype: str, device: torch.device) -> None:
+                 kv_cache_dtype: str, device: str) -> None:
         info = model.info
         self.model = model
         self.page_size = page_size
@@ -81,7 +81,7 @@ class DraftModel:
 
     @staticmethod
     def bytes_per_page(model: CausalLM, page_size: int, kv_cache_dtype: str,
-                       device: torch.device) -> int:
+                       device: str) -> int:
         info = model.info
         dtype = resolve_kv_dtype(kv_cache_dtype, info.dtype, device)
         return KVCache.bytes_per_page(info.num_layers, page_size, info.num_kv_heads,
@@ -98,16 +98,15 @@ class DraftModel:
         the sequences that want it. Runs in ``execute``: reads only ``work``, writes only the
         draft pages it names."""
         out: list[list[int]] = [[] for _ in work]
-        with torch.inference_mode():
-            rows = [(w.tokens, w.start, w.pages) for w in work]
-            for i, token in zip(range(len(work)), self._forward(rows)):
+        rows = [(w.tokens, w.start, w.pages) for w in work]
+        for i, token in zip(range(len(work)), self._forward(rows)):
+            out[i].append(token)
+        for j in range(1, max(w.num_tokens for w in work)):
+            active = [i for i, w in enumerate(work) if w.num_tokens > j]
+            rows = [((out[i][-1],), work[i].start + len(work[i].tokens) + j - 1,
+                     work[i].pages) for i in active]
+            for i, token in zip(active, self._forward(rows)):
                 out[i].append(token)
-            for j in range(1, max(w.num_tokens for w in work)):
-                active = [i for i, w in enumerate(work) if w.num_tokens > j]
-                rows = [((out[i][-1],), work[i].start + len(work[i].tokens) + j - 1,
-                         work[i].pages) for i in active]
-                for i, token in zip(active, self._forward(rows)):
-                    out[i].append(token)
         return [tuple(tokens) for tokens in out]
 
     def _forward(self, rows: list[tuple[tuple[int, ...], int, tuple[int, ...]]]) -> list[int]:
@@ -132,17 +131,15 @@ class DraftModel:
             pages.extend([0] * (max_pages - len(table)))
             seq_lens.append(start + len(tokens))
             qsl.append(qsl[-1] + len(tokens))
-        dev = self.device
-
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(dev)
+        def tensor(values: list[int]) -> np.ndarray:
+            return np.array(values, dtype=np.int64)
 
         counts = [len(rows[i][0]) for i in order]
         batch = ForwardBatch(
             input_ids=tensor(input_ids),
             positions=tensor(positions),
             slot_mapping=tensor(slots),
-            page_table=tensor(pages).view(len(order), max_pages),
+            page_table=tensor(pages).reshape(len(order), max_pages),
             seq_lens=tensor(seq_lens),
             query_start_loc=tensor(qsl),
             num_decodes=sum(1 for n in counts if n == 1),
@@ -224,9 +221,7 @@ def fill_drafts(batch: ForwardBatch, drafts: Drafts,
     for first, toks in zip(drafts.rows, tokens):
         at.extend(rows[first + 1 : first + 1 + len(toks)])
         values.extend(toks)
-    input_ids = batch.input_ids.clone()
-    dev = input_ids.device
-    input_ids[torch.tensor(at, dtype=torch.int64, device=dev)] = torch.tensor(
-        values, dtype=torch.int64, device=dev)
+    input_ids = batch.input_ids.copy()
+    input_ids[np.array(at, dtype=np.int64)] = np.array(values, dtype=np.int64)
     return (dataclasses.replace(batch, input_ids=input_ids),
             dataclasses.replace(drafts, tokens=list(tokens)))

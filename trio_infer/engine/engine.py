@@ -80,7 +80,7 @@ class Engine:
         info = model.info
         self.model = model
         self.config = config
-        self.device = torch.device(device)
+        self.device = str(device)
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, info.dtype, self.device)
         num_pages = config.num_pages or max(
             1,

@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from typing import Any
+
 import numpy as np
-import torch
 
 
 class OutOfPages(Exception):
@@ -67,7 +68,13 @@ class PagePool:
 
 
 class KVCache:
-    """Per-layer key and value tensors, each [num_pages, page_size, num_kv_heads, head_dim]."""
+    """Per-layer key and value arrays, each [num_pages, page_size, num_kv_heads, head_dim].
+
+    On the CPU they are numpy arrays (the engine and the CPU kernels need no torch; a torch
+    model on the CPU reads them through ``torch.from_numpy``, the same memory); on another
+    device (``cuda``), torch tensors there. ``dtype`` is a name: float32, float16, bfloat16 (which
+    the CPU kernels do not read and numpy lacks: a torch tensor, for a torch model) or float64
+    (the fake model's)."""
 
     def __init__(
         self,
@@ -76,52 +83,59 @@ class KVCache:
         page_size: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
+        dtype: str,
+        device: str = "cpu",
     ) -> None:
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.page_size = page_size
         self.num_pages = num_pages
-        self.k: list[torch.Tensor] = [zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v: list[torch.Tensor] = [zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.dtype = dtype
+        self.k: list[Any] = [zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v: list[Any] = [zeros(shape, dtype, device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_page(
-        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: str
     ) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * ITEMSIZE[dtype]
 
 
-# The KV pool's tensors start at this byte alignment (torch's own CPU allocator's), whatever the
+# The KV pool's arrays start at this byte alignment (torch's own CPU allocator's), whatever the
 # one of the memory they are carved from.
 _ALIGNMENT = 64
 
+# Bytes of one element of each KV dtype the engine takes.
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zeroed tensor for the pool. On the CPU its memory comes from ``calloc`` (through numpy),
-    which hands over pages the OS has zeroed and makes each resident when first written:
-    ``torch.zeros`` writes every byte before the first step (on the default model 45 MiB and
-    0.08 s of the worker's start, before the server is healthy; a long context's pool, seconds),
-    and an idle server would hold the whole pool resident. Elsewhere, ``torch.zeros``."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+def zeros(shape: tuple[int, ...], dtype: str, device: str = "cpu") -> Any:
+    """A zeroed array for the pool. On the CPU a numpy array whose memory comes from ``calloc``,
+    which hands over pages the OS has zeroed and makes each resident when first written: writing
+    every byte before the first step (as ``torch.zeros`` does) cost 45 MiB and 0.08 s of the
+    default model's start, before the server is healthy (a long context's pool, seconds), and an
+    idle server would hold the whole pool resident. Elsewhere, and for bfloat16 (which numpy
+    lacks), ``torch.zeros`` on the device."""
+    if dtype not in ITEMSIZE:
+        raise ValueError(f"KV cache dtype {dtype!r}: expected one of {', '.join(ITEMSIZE)}")
+    if device != "cpu" or dtype == "bfloat16":
+        import torch
+
+        return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+    nbytes = math.prod(shape) * ITEMSIZE[dtype]
     raw = np.zeros(nbytes + _ALIGNMENT, dtype=np.uint8)
     start = -raw.ctypes.data % _ALIGNMENT
-    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+def resolve_kv_dtype(name: str, model_dtype: str, device: str) -> str:
     """The KV cache's dtype for the setting ``name``: "auto" is fp16 for an fp32 model on the CPU
     (as llama.cpp: half the memory and the bandwidth of fp32 at decode, widened to fp32 as it is
     read) and the model's dtype otherwise; else the named dtype."""
     if name == "auto":
-        cpu = torch.device(device).type == "cpu"
-        return torch.float16 if cpu and model_dtype == torch.float32 else model_dtype
+        return "float16" if device == "cpu" and model_dtype == "float32" else model_dtype
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype {name!r}: expected auto, {', '.join(KV_CACHE_DTYPES)}")
-    return KV_CACHE_DTYPES[name]
+    return name

@@ -11,6 +11,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from trio_infer.engine.forward_batch import ForwardBatch
@@ -32,21 +33,21 @@ class PromptRows:
     top_k: list[int]
 
 
-def _int64(values: list[int]) -> torch.Tensor:
-    """``values`` as a CPU int64 tensor, converted by ``array``'s C loop: ``torch.tensor`` on a
-    list of ints costs ~0.1 us an element (a 256 x 12 page table: ~290 us, against ~90 us here).
-    The tensor shares the array's memory and keeps it alive."""
+def _int64(values: list[int]) -> np.ndarray:
+    """``values`` as an int64 array, converted by ``array``'s C loop (``np.array`` on a list of
+    ints walks it object by object: a 256 x 12 page table took ~3x as long). The array shares the
+    ``array``'s memory and keeps it alive."""
     if not values:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.frombuffer(array("q", values), dtype=torch.int64)
+        return np.zeros(0, dtype=np.int64)
+    return np.frombuffer(array("q", values), dtype=np.int64)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: str) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        self._aranges: dict[int, torch.Tensor] = {}  # batch size -> arange(n + 1), on the device
+        self._aranges: dict[int, np.ndarray] = {}  # batch size -> arange(n + 1)
 
     def prepare(self, schedule: Schedule) -> tuple[ForwardBatch, PromptRows | None, Drafts | None]:
         """Build the step's input tensors from the schedule's snapshot (not from live state).
@@ -108,24 +109,24 @@ class ModelRunner:
             if it.samples:
                 plain_rows.append(len(logits_indices))
                 logits_indices.append(total - 1)
-        page_table = _int64(pages).view(len(counts), max_pages)
+        page_table = _int64(pages).reshape(len(counts), max_pages)
 
         if total == len(counts):  # a pure decode step (the common one): plain lists, no indexing
-            query_start_loc = torch.arange(total + 1, dtype=torch.int64)
-            positions = torch.tensor(starts, dtype=torch.int64)
+            query_start_loc = np.arange(total + 1, dtype=np.int64)
+            positions = _int64(starts)
             if draft_seqs:
-                slots = (page_table[torch.arange(total), positions // page_size] * page_size
+                slots = (page_table[np.arange(total), positions // page_size] * page_size
                          + positions % page_size)
             else:
-                slots = torch.tensor([it.pages[it.start // page_size] * page_size + it.start % page_size
-                                      for it in schedule.items], dtype=torch.int64)
+                slots = _int64([it.pages[it.start // page_size] * page_size + it.start % page_size
+                                for it in schedule.items])
         else:
-            counts_t = torch.tensor(counts, dtype=torch.int64)
-            seq_of_token = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
-            query_start_loc = torch.zeros(len(counts) + 1, dtype=torch.int64)
-            torch.cumsum(counts_t, 0, out=query_start_loc[1:])
-            positions = torch.arange(total, dtype=torch.int64) - query_start_loc[seq_of_token]
-            positions += torch.tensor(starts, dtype=torch.int64)[seq_of_token]
+            counts_a = _int64(counts)
+            seq_of_token = np.repeat(np.arange(len(counts)), counts_a)
+            query_start_loc = np.zeros(len(counts) + 1, dtype=np.int64)
+            np.cumsum(counts_a, out=query_start_loc[1:])
+            positions = np.arange(total, dtype=np.int64) - query_start_loc[seq_of_token]
+            positions += _int64(starts)[seq_of_token]
             slots = page_table[seq_of_token, positions // page_size] * page_size + positions % page_size
 
         rows = None
@@ -133,16 +134,15 @@ class ModelRunner:
             logits_indices.extend(lp_rows)
             rows = PromptRows(lp_targets, lp_top_k)
         drafts = Drafts(draft_seqs, draft_tokens, draft_rows, plain_rows) if draft_seqs else None
-        dev = self.device
         batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev),
-            positions=positions.to(dev),
-            slot_mapping=slots.to(dev),
-            page_table=page_table.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(dev),
-            query_start_loc=query_start_loc.to(dev),
+            input_ids=_int64(input_ids),
+            positions=positions,
+            slot_mapping=slots,
+            page_table=page_table,
+            seq_lens=_int64(seq_lens),
+            query_start_loc=query_start_loc,
             num_decodes=schedule.num_decodes,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(dev),
+            logits_indices=_int64(logits_indices),
             max_query_len=max(counts),
             max_seq_len=max(seq_lens),
         )
@@ -152,9 +152,9 @@ class ModelRunner:
         """:meth:`prepare` for the common step: every item one token that samples, with no draft
         and no prompt logprobs. The same tensors as the general path, built by one pass per
         list instead of a dozen appends per item (at 256 running sequences the general loop was
-        most of the step's Python), all into one ``array`` that becomes one tensor (one device
-        copy off the CPU), of which the batch's tensors are views; ``query_start_loc`` and
-        ``logits_indices`` are the same ``arange`` at every step of a batch size, kept."""
+        most of the step's Python), all into one ``array`` that becomes one numpy array, of which
+        the batch's arrays are views; ``query_start_loc`` and ``logits_indices`` are the same
+        ``arange`` at every step of a batch size, kept."""
         items = schedule.items
         page_size = self.kv_cache.page_size
         n = len(items)
@@ -170,15 +170,13 @@ class ModelRunner:
             flat.extend(it.pages)
             if len(it.pages) < max_pages:
                 flat.extend(pad[len(it.pages):])
-        t = torch.frombuffer(flat, dtype=torch.int64)  # shares flat's memory and keeps it alive
-        if self.device.type != "cpu":
-            t = t.to(self.device)
+        t = np.frombuffer(flat, dtype=np.int64)  # shares flat's memory and keeps it alive
         rows = self._row_indices(n)
         return ForwardBatch(
             input_ids=t[:n],
             positions=t[n : 2 * n],
             slot_mapping=t[2 * n : 3 * n],
-            page_table=t[4 * n :].view(n, max_pages),
+            page_table=t[4 * n :].reshape(n, max_pages),
             seq_lens=t[3 * n : 4 * n],
             query_start_loc=rows,
             num_decodes=schedule.num_decodes,
@@ -187,11 +185,11 @@ class ModelRunner:
             max_seq_len=max(starts) + 1,
         )
 
-    def _row_indices(self, n: int) -> torch.Tensor:
-        """``arange(n + 1)`` on the device, made once per batch size (nothing writes to it)."""
+    def _row_indices(self, n: int) -> np.ndarray:
+        """``arange(n + 1)``, made once per batch size (nothing writes to it)."""
         rows = self._aranges.get(n)
         if rows is None:
-            rows = self._aranges[n] = torch.arange(n + 1, dtype=torch.int64).to(self.device)
+            rows = self._aranges[n] = np.arange(n + 1, dtype=np.int64)
         return rows
 
     def run(

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
-
-import torch
+from typing import Any, Protocol
 
 from trio_infer.engine.forward_batch import ForwardBatch
 
@@ -21,21 +19,18 @@ class ModelInfo:
     head_dim: int
     vocab_size: int
     max_model_len: int  # context limit: prompt + output tokens
-    dtype: torch.dtype
+    dtype: str  # the weights' float type by name: "float32", "bfloat16", "float16", "float64"
     eos_token_ids: tuple[int, ...]  # from generation_config.json (may be several), else config
 
 
 class CausalLM(Protocol):
     info: ModelInfo
 
-    def forward(
-        self,
-        batch: ForwardBatch,
-        k_caches: list[torch.Tensor],
-        v_caches: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """Run the step's tokens; return fp32 logits [len(batch.logits_indices), vocab].
+    def forward(self, batch: ForwardBatch, k_caches: list[Any], v_caches: list[Any]) -> Any:
+        """Run the step's tokens; return fp32 logits [len(batch.logits_indices), vocab]: a numpy
+        array, or a torch tensor (on any device), which the model runner brings to the host.
 
-        ``k_caches[i]``/``v_caches[i]`` are layer i's pages, [num_pages, page_size, Hkv, D].
+        ``k_caches[i]``/``v_caches[i]`` are layer i's pages, [num_pages, page_size, Hkv, D]:
+        numpy arrays on the CPU, torch tensors on a GPU (engine/kv_cache.py).
         """
         ...

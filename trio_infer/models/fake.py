@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 
-import torch
+import numpy as np
 
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.models.base import ModelInfo
@@ -68,12 +68,12 @@ class FakeModel:
             head_dim=1,
             vocab_size=vocab_size,
             max_model_len=max_model_len,
-            dtype=torch.float64,
+            dtype="float64",
             eos_token_ids=(eos_token_id,),
         )
         self.eos_token_id = eos_token_id
         # With a simulated step time each forward takes step_s of wall time (a sleep, which holds
-        # no GIL, like a torch forward) and the runtime runs it in its worker thread; without one
+        # no GIL, like the C kernels' forward) and the runtime runs it in its worker thread; without one
         # the model is instant and the runtime may run its steps inline.
         self.step_s = step_s
         self.instant = step_s == 0
@@ -83,8 +83,8 @@ class FakeModel:
         return expected_next_token(token_ids, self.info.vocab_size, self.eos_token_id)
 
     def forward(
-        self, batch: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
-    ) -> torch.Tensor:
+        self, batch: ForwardBatch, k_caches: list[np.ndarray], v_caches: list[np.ndarray]
+    ) -> np.ndarray:
         logits = self._forward(batch, k_caches[0])
         if self.step_s > 0:
             # Steps on a cadence of step_s (like a null engine's tick), not step_s on top of the
@@ -97,35 +97,34 @@ class FakeModel:
             time.sleep(max(0.0, self._next_tick - now))
         return logits
 
-    def _forward(self, batch: ForwardBatch, k_cache: torch.Tensor) -> torch.Tensor:
+    def _forward(self, batch: ForwardBatch, k_cache: np.ndarray) -> np.ndarray:
         page_size = k_cache.shape[1]
-        flat = k_cache.view(-1)
+        flat = k_cache.reshape(-1)  # a view: the pool is contiguous
         terms = (batch.input_ids * (batch.positions + 1)) % _MOD
-        flat.index_copy_(0, batch.slot_mapping, terms.to(torch.float64))
+        flat[batch.slot_mapping] = terms
 
         # Which sequence each logits row belongs to, and its context: the tokens up to the row's
         # own (the sequence's whole context for a sampling row; less for a prompt-logprob row),
         # read back through the page table whole pages at a time (one gather of each row's pages,
-        # not one index per token: the same values, summed exactly in float64, a third of the
-        # step's cost at 256 sequences before). Slots past a row's length (the rest of its last
-        # page, the table's padding) are masked out; the cache holds only finite values (zeros,
-        # or terms written here).
+        # not one index per token: the same values, summed exactly in float64). Slots past a
+        # row's length (the rest of its last page, the table's padding) are masked out; the
+        # cache holds only finite values (zeros, or terms written here).
         if batch.num_decodes == len(batch.input_ids):
             # Every row one token (decodes, drafts): query_start_loc is 0..T, so a logits row's
-            # sequence is the row itself. (searchsorted, exact here too, was ~15% of the worker's
-            # samples at 256 sequences in the server, where torch runs it on every core.)
+            # sequence is the row itself.
             seq_of_row = batch.logits_indices
         else:
-            seq_of_row = torch.searchsorted(batch.query_start_loc, batch.logits_indices, right=True) - 1
+            seq_of_row = np.searchsorted(batch.query_start_loc, batch.logits_indices,
+                                         side="right") - 1
         lens = batch.positions[batch.logits_indices] + 1
         num_pages = -(-int(lens.max()) // page_size) if len(lens) else 0
         table = batch.page_table[seq_of_row, :num_pages]
-        context = flat.view(-1, page_size)[table].reshape(len(lens), num_pages * page_size)
-        valid = torch.arange(num_pages * page_size)[None, :] < lens[:, None]
-        acc = (context * valid).sum(dim=1).to(torch.int64)
+        context = flat.reshape(-1, page_size)[table].reshape(len(lens), num_pages * page_size)
+        valid = np.arange(num_pages * page_size)[None, :] < lens[:, None]
+        acc = (context * valid).sum(axis=1).astype(np.int64)
         next_ids = (acc * 31 + 7 * lens) % self.info.vocab_size
 
-        logits = torch.zeros(len(next_ids), self.info.vocab_size, dtype=torch.float32)
+        logits = np.zeros((len(next_ids), self.info.vocab_size), dtype=np.float32)
         logits[:, self.eos_token_id] = _EOS_FLOOR
-        logits[torch.arange(len(next_ids)), next_ids] = 1.0
+        logits[np.arange(len(next_ids)), next_ids] = 1.0
         return logits

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -51,17 +52,13 @@ from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.models.attention import paged_attention
 from trio_infer.models.base import ModelInfo
 from trio_infer.models.parallel import Collectives
-from trio_infer.models.step_threads import StepThreads
-
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
+from trio_infer.models.spec import (  # noqa: F401 (re-exported)
+    STATIC_ROPE_TYPES,
+    SUPPORTED_ARCHITECTURES,
+    LlamaSpec,
+    rope_parameters,
 )
-
-# Rotary variants whose frequencies do not depend on the sequence length, so one cos/sin table
-# computed at load time is exact. "dynamic" and "longrope" change with the context length.
-_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+from trio_infer.models.step_threads import StepThreads
 
 # Checkpoint projection -> (fused parameter, index of its part in the fused output).
 _FUSED_PARTS: dict[str, tuple[str, int]] = {
@@ -71,79 +68,6 @@ _FUSED_PARTS: dict[str, tuple[str, int]] = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-
-
-@dataclass(frozen=True)
-class LlamaSpec:
-    """The shape facts of a checkpoint, read once from its Hugging Face config.
-
-    Kept separate from the config object so the modules below depend on a handful of named fields
-    rather than on whichever attribute names a transformers version happens to use.
-    """
-
-    architecture: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-
-    @classmethod
-    def from_config(cls, config: Any, architecture: str) -> LlamaSpec:
-        """Read the fields this model needs; reject what it would silently get wrong."""
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {architecture!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
-        hidden = int(config.hidden_size)
-        heads = int(config.num_attention_heads)
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
-        return cls(
-            architecture=architecture,
-            hidden_size=hidden,
-            num_layers=int(config.num_hidden_layers),
-            num_heads=heads,
-            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(config, "head_dim", None) or hidden // heads),
-            intermediate_size=int(config.intermediate_size),
-            vocab_size=int(config.vocab_size),
-            max_position_embeddings=int(config.max_position_embeddings),
-            rms_norm_eps=float(config.rms_norm_eps),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases and never an o_proj bias; Llama and Qwen3 follow
-            # ``attention_bias`` for all four projections.
-            qkv_bias=is_qwen2 or attention_bias,
-            o_bias=attention_bias and not is_qwen2,
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
-        )
-
-
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The rotary settings as one dict with ``rope_type`` and ``rope_theta``.
-
-    transformers 5 keeps them in ``config.rope_parameters``; 4.x in ``rope_scaling`` (which may be
-    None, or use the old key ``type``) plus a separate ``rope_theta``. Accept both.
-    """
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    if not params:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
-    params.setdefault("rope_type", params.pop("type", "default"))
-    return params
 
 
 def build_cos_sin_cache(
@@ -164,9 +88,9 @@ def build_cos_sin_cache(
     """
     params = rope_parameters(config)
     rope_type = params["rope_type"]
-    if rope_type not in _STATIC_ROPE_TYPES:
+    if rope_type not in STATIC_ROPE_TYPES:
         raise ValueError(
-            f"rope type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}"
+            f"rope type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}"
         )
     if rope_type == "default":
         theta = float(params["rope_theta"])
@@ -190,6 +114,11 @@ def build_cos_sin_cache(
     freqs = torch.outer(positions, inv_freq.float())  # [P, D/2]
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
     return cache.to(device)
+
+
+def _as_tensor(a: Any) -> torch.Tensor:
+    """A KV cache layer as a tensor: a numpy array (the CPU pool) as a view of its memory."""
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else a
 
 
 def _param(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -459,7 +388,7 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.info = info
         self.parallel = parallel
-        dtype = info.dtype
+        dtype = getattr(torch, info.dtype)
         local = spec if parallel is None else parallel.plan.local_spec(spec)
         self.model = LlamaModel(local, dtype, device, packed, parallel)
         if spec.tie_word_embeddings:
@@ -498,8 +427,13 @@ class LlamaForCausalLM(nn.Module):
         """Run the step's tokens; return fp32 logits [len(batch.logits_indices), vocab].
 
         The final norm and the lm_head run only on ``batch.logits_indices``: a prefill of a few
-        thousand tokens needs one row of logits, not a [T, vocab] matrix.
+        thousand tokens needs one row of logits, not a [T, vocab] matrix. The batch and the
+        caches may be numpy arrays (the engine's, on the host): read as tensors on this model's
+        device (views of the same memory on the CPU).
         """
+        batch = batch.to_torch(self.cos_sin_cache.device)
+        k_caches = [_as_tensor(k) for k in k_caches]
+        v_caches = [_as_tensor(v) for v in v_caches]
         step = self._decode_step(batch, k_caches[0]) if self.fused_decode else None
         if step is not None:
             rows, available = batch.num_tokens, torch.get_num_threads()

@@ -17,8 +17,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from trio_infer.models.base import CausalLM, ModelInfo
@@ -27,20 +25,26 @@ from trio_infer.models.default_model import (
 )
 from trio_infer.models.embedded import SERVED_NAME_FILE
 from trio_infer.models.gguf_loader import GGUFCheckpoint, load_gguf_tokenizer
-from trio_infer.models.parallel import Collectives, ShardPlan
 from trio_infer.models.paths import find_gguf, resolve_model_path  # noqa: F401 (re-exported)
-from trio_infer.models.llama import (
+from trio_infer.models.spec import (
     SUPPORTED_ARCHITECTURES,
-    LlamaForCausalLM,
     LlamaSpec,
-    build_cos_sin_cache,
+    cos_sin_table,
+    default_inv_freq,
+    rope_parameters,
 )
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
+    from trio_infer.models.cpu_llama import CpuLlama
+    from trio_infer.models.parallel import ShardPlan
+
 # transformers is imported where a Hugging Face folder's config or tokenizer is read, not here: a
-# GGUF model needs neither, and the import costs the worker's start-up about a second.
+# GGUF model needs neither, and the import costs the worker's start-up about a second. torch is
+# imported where the torch model is built: a GGUF model served by the CPU kernels
+# (models/cpu_llama.py) never imports it.
 
 log = logging.getLogger(__name__)
 
@@ -58,18 +62,25 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
 def load_model(
     path: str | Path,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     served_name: str | None = None,
     keep_blocks: bool | None = None,
     activations: str = "exact",
     shard: tuple[int, int] | None = None,
     group: object = None,
+    threads: int | None = None,
+    backend: str = "auto",
 ) -> CausalLM:
     """Build the model of the checkpoint at ``path`` on ``device`` and load its weights.
 
     ``path`` is a Hugging Face folder or a GGUF file (or a folder holding one; see
-    :func:`~trio_infer.models.gguf_loader.find_gguf`). GGUF weights in a block format the CPU
+    :func:`~trio_infer.models.gguf_loader.find_gguf`). A GGUF file on the CPU, where the CPU
+    kernels run and read every linear weight of the file in place, loads as the numpy model
+    over those kernels (:class:`~trio_infer.models.cpu_llama.CpuLlama`: no torch in the
+    process); anything else as the torch model (``backend`` "torch" or "cpu" asks for one; "cpu"
+    raises ValueError saying why it cannot serve the file). ``threads``: the CPU model's thread
+    count (the torch model reads torch's). For the torch model: GGUF weights in a block format the CPU
     kernels read (:data:`kernels.cpu.FORMATS`: F16, BF16, Q4_0 to Q8_0, Q4_K, Q5_K, Q6_K) stay in
     it when ``keep_blocks`` is true, or is None and :func:`packing_possible` says they can run
     here; every other GGUF weight is dequantized to ``dtype`` (with a warning naming the type and
@@ -87,8 +98,132 @@ def load_model(
     the group's collectives. Raises :class:`~trio_infer.models.parallel.ShardError` when the
     model cannot be split so.
     """
-    path = Path(path)
+    if backend not in ("auto", "torch", "cpu"):
+        raise ValueError(f"backend {backend!r}: one of auto, torch, cpu")
+    gguf_file = find_gguf(Path(path))
+    if gguf_file is not None and backend != "torch":
+        checkpoint = GGUFCheckpoint.open(gguf_file)
+        why = cpu_model_refusal(checkpoint, dtype, str(device), keep_blocks, shard)
+        if why is None:
+            return _load_cpu_model(checkpoint, served_name, activations, threads)
+        if backend == "cpu":
+            raise ValueError(f"{gguf_file.name} cannot be served by the CPU kernels' model: {why}")
+        if str(device) == "cpu" and keep_blocks is not False:
+            log.info("%s: served by the torch model, not the CPU kernels' numpy model: %s",
+                     gguf_file.name, why)
+    return _load_torch_model(Path(path), dtype, device, served_name, keep_blocks, activations,
+                             shard, group)
+
+
+def cpu_model_refusal(checkpoint: GGUFCheckpoint, dtype: object, device: str,
+                      keep_blocks: bool | None, shard: tuple[int, int] | None) -> str | None:
+    """Why the CPU kernels' numpy model cannot serve ``checkpoint`` with these settings, or None
+    when it can: on the CPU, in fp32, whole (not a tensor-parallel shard), the C kernels built,
+    every linear weight and the lm_head in a format they read, the attention heads' shape theirs,
+    and a rotary table computed without transformers."""
+    from kernels import cpu
+
+    from trio_infer.models.cpu_llama import attention_shape_supported
+
+    if device != "cpu":
+        return f"the device is {device}"
+    if dtype is not None and str(dtype).removeprefix("torch.") != "float32":
+        return f"dtype {dtype} (it computes in float32)"
+    if keep_blocks is False:
+        return "the weights are to be dequantized (keep_gguf_blocks off)"
+    if shard is not None:
+        return "tensor parallelism"
+    kernels, why = cpu.availability()
+    if kernels is None:
+        return f"the CPU kernels are unavailable ({why})"
+    spec = LlamaSpec.from_config(checkpoint.config, checkpoint.architecture)
+    if not attention_shape_supported(spec.num_heads, spec.num_kv_heads, spec.head_dim):
+        return (f"heads of {spec.head_dim} ({spec.num_heads} query, {spec.num_kv_heads} kv) "
+                "are not a shape the C attention takes")
+    if default_inv_freq(rope_parameters(checkpoint.config), spec.head_dim) is None:
+        return f"rope type {rope_parameters(checkpoint.config)['rope_type']!r}"
+    packed = packed_modules(checkpoint.tensor_formats(), spec.tie_word_embeddings)
+    linears = [f"model.layers.{i}.{m}" for i in range(spec.num_layers)
+               for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                         "mlp.down_proj")]
+    linears.append("model.embed_tokens" if spec.tie_word_embeddings else "lm_head")
+    unread = sorted({_module_formats(checkpoint, m) for m in linears if m not in packed})
+    if unread:
+        return f"weights in {', '.join(unread)}, which the CPU kernels do not read in place"
+    return None
+
+
+def _module_formats(checkpoint: GGUFCheckpoint, module: str) -> str:
+    """The GGUF types of a (possibly fused) module's checkpoint weights, for a message."""
+    parent, _, leaf = module.rpartition(".")
+    names = ([f"{parent}.{p}.weight" for p in _FUSED_FROM[leaf]] if leaf in _FUSED_FROM
+             else [f"{module}.weight"])
+    formats = checkpoint.tensor_formats()
+    return "/".join(sorted({formats.get(n, "?") for n in names}))
+
+
+def _load_cpu_model(checkpoint: GGUFCheckpoint, served_name: str | None, activations: str,
+                    threads: int | None) -> CpuLlama:
+    from kernels import cpu
+
+    from trio_infer.models.cpu_llama import CpuLlama
+
+    kernels = cpu.load()
+    assert kernels is not None  # cpu_model_refusal checked
+    spec = LlamaSpec.from_config(checkpoint.config, checkpoint.architecture)
+    packed = packed_modules(checkpoint.tensor_formats(), spec.tie_word_embeddings)
+    info = ModelInfo(
+        name=served_name or default_served_name(checkpoint.path),
+        architecture=checkpoint.architecture,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        vocab_size=spec.vocab_size,
+        max_model_len=spec.max_position_embeddings,
+        dtype="float32",
+        eos_token_ids=checkpoint.eos_token_ids,
+    )
+    inv_freq = default_inv_freq(rope_parameters(checkpoint.config), spec.head_dim)
+    assert inv_freq is not None  # cpu_model_refusal checked
+    cos_sin = cos_sin_table(inv_freq, spec.max_position_embeddings,
+                            freq_factors=checkpoint.rope_freq_factors)
+    kept = _kept_weights(packed)
+    model = CpuLlama.load(spec, info, kernels, cos_sin,
+                          checkpoint.iter_weights(f"Loading {info.name}", keep=kept), packed,
+                          activations, threads or cpu.default_threads())
+    release_freed_memory()
+    return model
+
+
+def _kept_weights(packed: dict[str, str | tuple[str, ...]]) -> set[str]:
+    """The checkpoint weight names that stay in blocks, for the packed modules."""
+    kept = set()
+    for module in packed:
+        parent, _, leaf = module.rpartition(".")
+        parts = _FUSED_FROM.get(leaf)
+        kept |= {f"{parent}.{p}.weight" for p in parts} if parts else {f"{module}.weight"}
+    return kept
+
+
+def _load_torch_model(
+    path: Path,
+    dtype: torch.dtype | str | None,
+    device: str | torch.device,
+    served_name: str | None,
+    keep_blocks: bool | None,
+    activations: str,
+    shard: tuple[int, int] | None,
+    group: object,
+) -> CausalLM:
+    """:func:`load_model` for the torch model (models/llama.py)."""
+    import torch
+
+    from trio_infer.models.llama import LlamaForCausalLM, build_cos_sin_cache
+    from trio_infer.models.parallel import Collectives, ShardPlan
+
     device = torch.device(device)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
     if dtype is None:
         dtype = default_dtype(device)
     gguf_file = find_gguf(path)
@@ -119,11 +254,7 @@ def load_model(
     if gguf_file is not None:
         if keep_blocks:
             packed = packed_modules(checkpoint.tensor_formats(), spec.tie_word_embeddings)
-        kept = set()
-        for module in packed:
-            parent, _, leaf = module.rpartition(".")
-            parts = _FUSED_FROM.get(leaf)
-            kept |= {f"{parent}.{p}.weight" for p in parts} if parts else {f"{module}.weight"}
+        kept = _kept_weights(packed)
         if keep_blocks:
             _warn_widened(checkpoint, kept)
     parallel = None
@@ -144,7 +275,7 @@ def load_model(
         head_dim=spec.head_dim,
         vocab_size=spec.vocab_size,
         max_model_len=spec.max_position_embeddings,
-        dtype=dtype,
+        dtype=str(dtype).removeprefix("torch."),
         eos_token_ids=eos_ids,
     )
     cos_sin_cache = build_cos_sin_cache(
@@ -204,11 +335,12 @@ def _warn_widened(checkpoint: GGUFCheckpoint, kept: set[str]) -> None:
                     "kernels do not read %s in place", kind, elements, elements * 4 / 1e6, kind)
 
 
-def packing_possible(device: str | torch.device, dtype: torch.dtype) -> bool:
+def packing_possible(device: str | torch.device, dtype: torch.dtype | str) -> bool:
     """True where packed GGUF blocks can be served: CPU, fp32 activations, C kernels built."""
     from kernels import cpu
 
-    return torch.device(device).type == "cpu" and dtype == torch.float32 and cpu.load() is not None
+    return (str(device) == "cpu" and str(dtype).removeprefix("torch.") == "float32"
+            and cpu.load() is not None)
 
 
 def packed_modules(formats: dict[str, str], tied: bool) -> dict[str, str | tuple[str, ...]]:
@@ -245,6 +377,8 @@ def packed_modules(formats: dict[str, str], tied: bool) -> dict[str, str | tuple
 def default_dtype(device: str | torch.device) -> torch.dtype:
     """bf16 on CUDA; fp32 elsewhere, where bf16 matmuls are slow and fp32 keeps the CPU path an
     exact match for the transformers oracle."""
+    import torch
+
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
@@ -316,6 +450,8 @@ def _iter_safetensors(path: Path, desc: str) -> Iterator[tuple[str, torch.Tensor
     Tensors are read one at a time on the CPU; the model copies each into its (device, dtype)
     parameter, so a shard is never fully materialised twice.
     """
+    from safetensors import safe_open
+
     files = _safetensors_files(path)
     counts = []
     for file in files:

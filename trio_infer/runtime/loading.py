@@ -1,18 +1,19 @@
-"""Turn :class:`~trio_infer.settings.Settings` into a ready engine (in the worker process: this
-module imports torch; the tokenizer alone is ``runtime/tokenizer.py``)."""
+"""Turn :class:`~trio_infer.settings.Settings` into a ready engine (in the worker process; the
+tokenizer alone is ``runtime/tokenizer.py``).
+
+torch is imported only where a torch model is built: a GGUF model that the CPU kernels serve
+(models/cpu_llama.py) and the fake model run without it, and a worker that never imports it
+saves ~220 MiB of resident memory."""
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
-
-import torch
 
 from trio_infer.engine.engine import Engine
 from trio_infer.runtime.tokenizer import FAKE_MODEL, build_tokenizer
 from trio_infer.settings import Settings
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # ``progress(phase, done, total)``: where a load stands (see protocol.Loading).
 Progress = Callable[[str, "int | None", "int | None"], None]
@@ -21,6 +22,8 @@ Progress = Callable[[str, "int | None", "int | None"], None]
 def configure_torch_threads(settings: Settings) -> int:
     """Pick torch's intra-op thread count deliberately: the event loop needs a core slice too
     (see docs/architecture.md): ``Settings.worker_threads``."""
+    import torch
+
     n = settings.worker_threads()
     torch.set_num_threads(n)
     return n
@@ -28,8 +31,28 @@ def configure_torch_threads(settings: Settings) -> int:
 
 def resolve_device(settings: Settings) -> str:
     if settings.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if _cuda_available() else "cpu"
     return settings.device
+
+
+def _cuda_available() -> bool:
+    """Whether torch sees a GPU, asked only where an NVIDIA driver is installed: importing torch
+    just to learn that a CPU-only machine has none would cost its worker ~220 MiB."""
+    if not any(os.path.exists(p) for p in ("/proc/driver/nvidia/version", "/dev/nvidiactl")):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _dtype(settings: Settings) -> str | None:
+    return None if settings.dtype == "auto" else settings.dtype
+
+
+def _uses_torch(model: Any) -> bool:
+    from trio_infer.models.cpu_llama import CpuLlama
+
+    return not isinstance(model, CpuLlama)
 
 
 def build_engine(settings: Settings, progress: Progress | None = None) -> Engine:
@@ -43,10 +66,6 @@ def build_engine(settings: Settings, progress: Progress | None = None) -> Engine
     config = settings.engine_config()
     if settings.model == FAKE_MODEL:
         from trio_infer.models.fake import FakeModel
-
-        # Its step is a sleep and a few small tensor ops: a second torch thread would only be
-        # woken (and paid for) after every sleep, in the CPU the front-end bench measures.
-        torch.set_num_threads(1)
 
         report("engine", None, None)
         tokenizer = build_tokenizer(settings)
@@ -64,13 +83,14 @@ def build_engine(settings: Settings, progress: Progress | None = None) -> Engine
 
     from trio_infer.models.loader import load_model, resolve_model_path
 
-    configure_torch_threads(settings)
     path = resolve_model_path(settings.model, settings.cache_dir)
-    dtype = None if settings.dtype == "auto" else _DTYPES[settings.dtype]
+    dtype = _dtype(settings)
     with _counting_tensors(report):
         model = load_model(path, dtype=dtype, device=device, served_name=settings.served_model_name,
                            keep_blocks=None if settings.keep_gguf_blocks else False,
-                           activations=settings.activations)
+                           activations=settings.activations, threads=settings.worker_threads())
+    if _uses_torch(model):
+        configure_torch_threads(settings)
     draft = None
     if settings.speculative_draft_model is not None:
         draft = load_draft_model(settings, device, dtype, report)
@@ -93,9 +113,12 @@ def load_draft_model(settings: Settings, device: str, dtype: Any, report: Progre
         raise ValueError(f"speculative_draft_model {path!r}: its tokenizer's vocabulary differs "
                          "from the model's; the draft model must share the model's tokenizer")
     with _counting_tensors(report):
-        return load_model(resolve_model_path(path, settings.cache_dir), dtype=dtype, device=device,
-                          keep_blocks=None if settings.keep_gguf_blocks else False,
-                          activations=settings.activations)
+        draft = load_model(resolve_model_path(path, settings.cache_dir), dtype=dtype, device=device,
+                           keep_blocks=None if settings.keep_gguf_blocks else False,
+                           activations=settings.activations, threads=settings.worker_threads())
+    if _uses_torch(draft):
+        configure_torch_threads(settings)
+    return draft
 
 
 def load_shard(settings: Settings, rank: int, size: int, device: str) -> Any:
@@ -104,14 +127,16 @@ def load_shard(settings: Settings, rank: int, size: int, device: str) -> Any:
     from trio_infer.models.loader import load_model, resolve_model_path
 
     path = resolve_model_path(settings.model, settings.cache_dir)
-    dtype = None if settings.dtype == "auto" else _DTYPES[settings.dtype]
-    return load_model(path, dtype=dtype, device=device, served_name=settings.served_model_name,
+    return load_model(path, dtype=_dtype(settings), device=device,
+                      served_name=settings.served_model_name,
                       keep_blocks=None if settings.keep_gguf_blocks else False,
                       activations=settings.activations, shard=(rank, size))
 
 
 def _build_group_engine(settings: Settings, report: Progress) -> Engine:
     """Rank 0 of a tensor-parallel group: start the followers, load the slice, lead them."""
+    import torch
+
     from trio_infer.runtime import tp_group
 
     layout = tp_group.Layout.of(settings)
@@ -128,7 +153,7 @@ def _build_group_engine(settings: Settings, report: Progress) -> Engine:
                     device=tp_group.rank_device(device, 0, layout),
                     grammars=build_grammars(leader, lambda: build_tokenizer(settings)))
     cache = engine.kv_cache
-    leader.announce_cache(cache.num_pages, cache.page_size, cache.k[0].dtype)
+    leader.announce_cache(cache.num_pages, cache.page_size, cache.dtype)
     return engine
 
 

@@ -114,16 +114,13 @@ class GroupLeader:
         self._control = control
         self._followers = followers
 
-    def announce_cache(self, num_pages: int, page_size: int, dtype: torch.dtype) -> None:
+    def announce_cache(self, num_pages: int, page_size: int, dtype: str) -> None:
         """Tell the followers the KV pool's geometry (rank 0's engine sized it)."""
         self._broadcast(("kv", (num_pages, page_size, dtype)))
 
-    def forward(self, batch: ForwardBatch, k_caches: list[torch.Tensor],
-                v_caches: list[torch.Tensor]) -> torch.Tensor:
-        # On CUDA the batch travels through the CPU: a pickled CUDA tensor would be rebuilt on
-        # rank 0's GPU index in every follower.
-        self._broadcast(("step", batch if batch.input_ids.device.type == "cpu"
-                         else _batch_to(batch, "cpu")))
+    def forward(self, batch: ForwardBatch, k_caches: list[Any], v_caches: list[Any]) -> Any:
+        # The batch is host arrays (numpy): every rank's model moves it to its own device.
+        self._broadcast(("step", batch))
         try:
             return self.model.forward(batch, k_caches, v_caches)
         except Exception as exc:
@@ -261,15 +258,7 @@ def follow(model: Any, control: Any, device: str) -> None:
                             info.head_dim, dtype, device)
         elif kind == "step":
             assert cache is not None, "a step before the KV cache"
-            batch = payload if device == "cpu" else _batch_to(payload, device)
-            with torch.inference_mode():
-                model.forward(batch, cache.k, cache.v)
-
-
-def _batch_to(batch: ForwardBatch, device: str) -> ForwardBatch:
-    return dataclasses.replace(batch, **{
-        f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
-        if isinstance(getattr(batch, f.name), torch.Tensor)})
+            model.forward(payload, cache.k, cache.v)
 
 
 def serve_followers(settings: Settings) -> int:

@@ -98,7 +98,7 @@ class WorkerCore:
         e = self.engine
         info = e.model.info
         kernels, problem = compute_path(e.device)
-        kv_dtype = str(e.kv_cache.k[0].dtype).removeprefix("torch.") if e.kv_cache.k else ""
+        kv_dtype = e.kv_cache.dtype if e.kv_cache.k else ""
         return encode([Hello(info.name, info.vocab_size, e.max_model_len, e.pool.num_pages,
                              port, self.num_ports, kernels, problem, kv_dtype)])
 
