@@ -1,5 +1,5 @@
 """The C kernels of the CPU path (``cpu_kernels.c``): built once with the system's C compiler,
-loaded with ctypes, called on torch tensors.
+loaded with ctypes, called on numpy arrays or CPU torch tensors.
 
 The library is compiled on first use into ``$TRIO_INFER_CACHE_DIR/kernels`` (default
 ``~/.cache/trio-infer/kernels``), named by a hash of the source and the compiler flags, so an
@@ -9,6 +9,19 @@ with AVX2, FMA and F16C; without them :func:`load` returns None and the torch pa
 
 ctypes releases the GIL for the duration of each call, and OpenMP runs the call on the number of
 threads the caller passes (torch's intra-op count), so the C kernels and torch share one setting.
+Where a caller does not say (packing, a layout change), :func:`default_threads` counts the CPUs
+this process may run on.
+
+Why both kinds of arrays: the C side only needs a pointer and a row stride, and a batching worker
+that never imports torch (about 220 MiB of resident memory) runs a numpy model over these
+kernels, while the torch model calls them on CPU tensors. So this module does not import torch
+(``import kernels.cpu`` leaves it out of ``sys.modules``), and every entry point takes, for each
+array argument, a numpy array or a CPU torch tensor: three small helpers (:func:`_ptr`,
+:func:`_row_stride`, :func:`_empty`) tell them apart with ``isinstance(a, np.ndarray)``, anything
+else being a torch tensor. A result is of the kind of the call's main input (x, the embedding's
+rows, attention's q, the decode step's ids): numpy in, numpy out (float32, C-contiguous); torch
+in, torch out (torch imported lazily, where it already is). A packed weight's bytes
+(:attr:`PackedWeight.data`) are always a numpy uint8 array.
 """
 
 from __future__ import annotations
@@ -23,9 +36,9 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-mbmi2", "-fopenmp", "-shared", "-fPIC",
@@ -67,6 +80,18 @@ _LAYOUT_FLAGS = {"rows": 0, "x8": 0x100, "x16": 0x200}
 _GROUP_ROWS = {"x8": 8, "x16": 16}
 # What each grouped layout is read with, and the formats that have it.
 _LAYOUT_NEEDS = {"x8": ("int8", X8_FORMATS), "x16": ("exact", X16_FORMATS)}
+
+
+# A numpy array or a CPU torch tensor (see the module's docstring); Any, as torch is not imported.
+Array = Any
+
+
+def default_threads() -> int:
+    """Threads for a call whose caller does not say: the CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no sched_getaffinity on this platform
+        return os.cpu_count() or 1
 
 
 class BuildError(RuntimeError):
@@ -184,14 +209,15 @@ class PackedWeight:
     """A weight matrix [N, K] kept in a ggml format (``fmt``, one of :data:`FORMATS`), read in
     place by the C kernels.
 
-    ``data`` is [N, packed row bytes] uint8: each output feature's row, rearranged once by
-    :meth:`from_blocks` (codes, then high bits, then scales: see cpu_kernels.c). Rows stay rows,
-    so fused projections are the concatenation of their parts' rows and a row permutation
-    (llama.cpp's q/k layout) permutes rows of ``data``.
+    ``data`` is a numpy uint8 array [N, packed row bytes] (never a torch tensor; rows
+    contiguous): each output feature's row, rearranged once by :meth:`from_blocks` (codes, then
+    high bits, then scales: see cpu_kernels.c). Rows stay rows, so fused projections are the
+    concatenation of their parts' rows and a row permutation (llama.cpp's q/k layout) permutes
+    rows of ``data``.
     """
 
     fmt: str
-    data: torch.Tensor
+    data: np.ndarray
     in_features: int
     # One of ACTIVATIONS: how x is multiplied with these weights.
     activations: str = "exact"
@@ -200,6 +226,11 @@ class PackedWeight:
     layout: str = "rows"
 
     def __post_init__(self) -> None:
+        if (not isinstance(self.data, np.ndarray) or self.data.dtype != np.uint8
+                or self.data.ndim != 2 or (self.data.shape[1] > 1 and self.data.strides[1] != 1)):
+            raise TypeError(f"a packed weight's data is a numpy uint8 array [N, row bytes] with "
+                            f"contiguous rows, not {type(self.data).__name__} "
+                            f"{getattr(self.data, 'dtype', '')}")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"activations {self.activations!r}: one of {', '.join(ACTIVATIONS)}")
         if self.layout not in LAYOUTS:
@@ -215,10 +246,11 @@ class PackedWeight:
         return self.fmt in formats and self.activations == activations
 
     @classmethod
-    def from_blocks(cls, fmt: str, blocks: torch.Tensor | np.ndarray, in_features: int,
-                    activations: str = "exact") -> PackedWeight:
+    def from_blocks(cls, fmt: str, blocks: Array, in_features: int,
+                    activations: str = "exact", threads: int | None = None) -> PackedWeight:
         """From ggml's blocks as a GGUF file stores them: [N, native row bytes] uint8 (any
-        array that exposes its buffer; a read-only memory map is read, never written)."""
+        array that exposes its buffer; a read-only memory map is read, never written), packed
+        on ``threads`` (None: :func:`default_threads`)."""
         kernels = _kernels()
         native = kernels.native_row_bytes(fmt, in_features)
         array = np.asarray(blocks)
@@ -226,7 +258,8 @@ class PackedWeight:
             raise ValueError(f"{fmt} blocks of shape {tuple(array.shape)} for {in_features} columns")
         array = np.ascontiguousarray(array)
         out = cls.empty(fmt, array.shape[0], in_features, activations)
-        kernels.pack(fmt, array, in_features, out.data, torch.get_num_threads())
+        kernels.pack(fmt, array, in_features, out.data,
+                     default_threads() if threads is None else threads)
         return out
 
     @classmethod
@@ -235,8 +268,7 @@ class PackedWeight:
         row = _kernels().row_bytes(fmt, in_features) if fmt in FORMATS else 0
         if row == 0:
             raise ValueError(f"cannot pack a [{out_features}, {in_features}] {fmt} weight")
-        return cls(fmt, torch.empty(out_features, row, dtype=torch.uint8), in_features,
-                   activations)
+        return cls(fmt, np.empty((out_features, row), dtype=np.uint8), in_features, activations)
 
     @property
     def out_features(self) -> int:
@@ -244,7 +276,7 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        return int(self.data.nbytes)
 
     @property
     def parts(self) -> tuple[PackedWeight, ...]:
@@ -253,12 +285,13 @@ class PackedWeight:
     def with_activations(self, activations: str) -> PackedWeight:
         return dataclasses.replace(self, activations=activations)
 
-    def with_layout(self, layout: str) -> PackedWeight:
+    def with_layout(self, layout: str, threads: int | None = None) -> PackedWeight:
         """This weight in ``layout``, its bytes converted **in place** (the same memory, never a
         second copy; this descriptor no longer describes them, so the caller replaces it
         everywhere it is held). "x8" is taken by the formats in :data:`X8_FORMATS` with int8
         activations and at least 8 rows, "x16" by those in :data:`X16_FORMATS` with exact
-        activations and at least 16 rows; any other weight stays in rows."""
+        activations and at least 16 rows; any other weight stays in rows. Converted on
+        ``threads`` (None: :func:`default_threads`)."""
         if layout not in LAYOUTS:
             raise ValueError(f"layout {layout!r}: one of {', '.join(LAYOUTS)}")
         if layout != "rows" and (not self._takes(layout)
@@ -266,7 +299,8 @@ class PackedWeight:
             layout = "rows"
         if layout == self.layout:
             return self
-        kernels, threads = _kernels(), torch.get_num_threads()
+        kernels = _kernels()
+        threads = default_threads() if threads is None else threads
         if self.layout != "rows":
             kernels.relayout(self, self.layout, to_layout=False, threads=threads)
         if layout != "rows":
@@ -316,17 +350,35 @@ class PackedParts:
         """The grouped layout of any part ("rows" where none is grouped)."""
         return next((p.layout for p in self.parts if p.layout != "rows"), "rows")
 
-    def with_layout(self, layout: str) -> PackedParts:
+    def with_layout(self, layout: str, threads: int | None = None) -> PackedParts:
         """Asked of every part, each converted in place where it takes it (see
         :meth:`PackedWeight.with_layout`)."""
-        return PackedParts(tuple(p.with_layout(layout) for p in self.parts))
+        return PackedParts(tuple(p.with_layout(layout, threads) for p in self.parts))
 
 
 Packed = PackedWeight | PackedParts
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _ptr(a: Array | None) -> int | None:
+    """The address of a numpy array's or a CPU torch tensor's first element (None for None)."""
+    if a is None:
+        return None
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data_ptr()
+
+
+def _row_stride(a: Array) -> int:
+    """The distance between rows (along the first axis), in elements."""
+    return a.strides[0] // a.itemsize if isinstance(a, np.ndarray) else a.stride(0)
+
+
+def _empty(like: Array, *shape: int) -> Array:
+    """A new float32 C-contiguous array of ``shape``, of the kind of ``like``: numpy for a numpy
+    array, else a torch tensor (torch is imported only here, by a caller that holds tensors)."""
+    if isinstance(like, np.ndarray):
+        return np.empty(shape, dtype=np.float32)
+    import torch
+
+    return torch.empty(shape, dtype=torch.float32)
 
 
 _F = ctypes.c_float
@@ -356,13 +408,13 @@ class _Model(ctypes.Structure):
                 ("layers", ctypes.POINTER(_Layer))]
 
 
-def _lin(w: Packed, bias: torch.Tensor | None) -> _Lin:
+def _lin(w: Packed, bias: Array | None) -> _Lin:
     lin = _Lin(len(w.parts), w.in_features, w.out_features, _ptr(bias),
                ACTIVATIONS[w.activations])
     for i, part in enumerate(w.parts):
         lin.fmt[i] = _fmt_code(part)
-        lin.w[i] = part.data.data_ptr()
-        lin.row_bytes[i] = part.data.stride(0)
+        lin.w[i] = _ptr(part.data)
+        lin.row_bytes[i] = part.data.strides[0]
         lin.rows[i] = part.out_features
     return lin
 
@@ -372,16 +424,36 @@ def _fmt_code(w: PackedWeight) -> int:
     return FORMATS[w.fmt] | _LAYOUT_FLAGS[w.layout]
 
 
-def _kv_f16(cache: torch.Tensor) -> int:
-    if cache.dtype not in (torch.float32, torch.float16):
-        raise ValueError(f"the C kernels read an fp32 or fp16 KV cache, not {cache.dtype}")
-    return int(cache.dtype == torch.float16)
+def _kv_is_f16(kind: Any) -> bool:
+    """Whether a KV cache's dtype is fp16 (else fp32): ``kind`` is a numpy dtype (or scalar
+    type), a torch dtype, "float32"/"float16", or a cache (numpy array or torch tensor) whose
+    dtype it reads. ValueError for any other dtype."""
+    if isinstance(kind, np.ndarray) or hasattr(kind, "data_ptr"):  # a cache: its dtype
+        kind = kind.dtype
+    if isinstance(kind, str):
+        name = kind
+    elif str(kind) in ("torch.float32", "torch.float16"):  # torch's dtypes, torch not imported
+        name = str(kind).removeprefix("torch.")
+    else:
+        try:
+            name = np.dtype(kind).name if kind is not None else None
+        except (TypeError, ValueError):
+            name = None
+    if name in ("float32", "float16"):
+        return name == "float16"
+    raise ValueError(f"the C kernels read an fp32 or fp16 KV cache, not {kind}")
+
+
+def _kv_f16(cache: Array) -> int:
+    return int(_kv_is_f16(cache))
 
 
 class CpuKernels:
-    """Typed entry points over the loaded library. Every tensor must be contiguous (or have the
-    row stride passed) and on the CPU; the shape checks live in :mod:`kernels.ops`. The library's
-    ABI version and struct sizes are checked against this module's mirrors when it loads."""
+    """Typed entry points over the loaded library. Each array argument is a numpy array or a CPU
+    torch tensor, contiguous (or with the row stride passed); a result is of the kind of the
+    call's main input (see the module's docstring). The shape checks live in :mod:`kernels.ops`.
+    The library's ABI version and struct sizes are checked against this module's mirrors when it
+    loads."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
@@ -427,10 +499,11 @@ class CpuKernels:
         return (int(self._lib.tri_native_row_bytes(FORMATS[fmt], in_features))
                 if fmt in FORMATS else 0)
 
-    def pack(self, fmt: str, blocks: np.ndarray, in_features: int, out: torch.Tensor,
-             threads: int) -> None:
-        rc = self._lib.tri_pack(FORMATS[fmt], blocks.ctypes.data, blocks.shape[0], in_features,
-                                out.data_ptr(), threads)
+    def pack(self, fmt: str, blocks: Array, in_features: int, out: Array, threads: int) -> None:
+        """ggml's blocks [N, native row bytes] uint8 (rows contiguous, one after the other) into
+        ``out`` [N, packed row bytes] uint8 (contiguous)."""
+        rc = self._lib.tri_pack(FORMATS[fmt], _ptr(blocks), blocks.shape[0], in_features,
+                                _ptr(out), threads)
         if rc != 0:
             raise ValueError(f"cannot pack {fmt} rows of {in_features} weights")
 
@@ -439,25 +512,25 @@ class CpuKernels:
         has alone (the few-rows kernel; from there, the tiles, whose sums run in another order)."""
         return int(self._lib.tri_few_rows_exact())
 
-    def linear(self, x: torch.Tensor, w: Packed, bias: torch.Tensor | None,
-               threads: int) -> torch.Tensor:
-        """x [M, K] fp32 contiguous -> [M, N]."""
+    def linear(self, x: Array, w: Packed, bias: Array | None, threads: int) -> Array:
+        """x [M, K] fp32 contiguous -> [M, N], of x's kind."""
         m = x.shape[0]
-        y = torch.empty(m, w.out_features, dtype=torch.float32)
+        y = _empty(x, m, w.out_features)
         lin = _lin(w, bias)
-        rc = self._lib.tri_linear(ctypes.byref(lin), x.data_ptr(), m, y.data_ptr(), threads)
+        rc = self._lib.tri_linear(ctypes.byref(lin), _ptr(x), m, _ptr(y), threads)
         if rc == -2:
             raise MemoryError("tri_linear could not allocate its scratch")
         if rc != 0:
             raise ValueError(f"tri_linear rejected {w.fmt} [{w.out_features}, {w.in_features}]")
         return y
 
-    def dequant_rows(self, w: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
-        """Rows ``rows`` (int64) of a packed weight, as fp32 [len(rows), K]."""
-        out = torch.empty(rows.shape[0], w.in_features, dtype=torch.float32)
-        rc = self._lib.tri_dequant_rows(_fmt_code(w), w.data.data_ptr(), w.data.stride(0),
-                                        rows.data_ptr(), rows.shape[0], w.in_features,
-                                        out.data_ptr(), w.out_features)
+    def dequant_rows(self, w: PackedWeight, rows: Array) -> Array:
+        """Rows ``rows`` (int64, contiguous) of a packed weight, as fp32 [len(rows), K] of the
+        kind of ``rows``."""
+        out = _empty(rows, rows.shape[0], w.in_features)
+        rc = self._lib.tri_dequant_rows(_fmt_code(w), _ptr(w.data), w.data.strides[0],
+                                        _ptr(rows), rows.shape[0], w.in_features,
+                                        _ptr(out), w.out_features)
         if rc == -2:
             raise MemoryError("tri_dequant_rows could not allocate its scratch")
         if rc != 0:
@@ -466,58 +539,57 @@ class CpuKernels:
 
     def relayout(self, w: PackedWeight, layout: str, to_layout: bool, threads: int) -> None:
         """``w``'s bytes, in place, from the row layout to ``layout`` (``to_layout``) or back."""
-        if not w.data.is_contiguous():
+        if not w.data.flags.c_contiguous:
             raise ValueError("only a contiguous packed weight changes layout")
-        rc = self._lib.tri_relayout(FORMATS[w.fmt], w.data.data_ptr(), w.out_features,
-                                    w.in_features, w.data.stride(0), _LAYOUT_FLAGS[layout],
+        rc = self._lib.tri_relayout(FORMATS[w.fmt], _ptr(w.data), w.out_features,
+                                    w.in_features, w.data.strides[0], _LAYOUT_FLAGS[layout],
                                     int(to_layout), threads)
         if rc == -2:
             raise MemoryError("tri_relayout could not allocate its scratch")
         if rc != 0:
             raise ValueError(f"{w.fmt} [{w.out_features}, {w.in_features}] has no {layout} layout")
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None, threads: int,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(norm(x), None)``, or with ``residual``, ``(norm(x + residual), x + residual)``."""
+    def rms_norm(self, x: Array, weight: Array, eps: float, residual: Array | None,
+                 threads: int) -> tuple[Array, Array | None]:
+        """``(norm(x), None)``, or with ``residual``, ``(norm(x + residual), x + residual)``;
+        of x's kind."""
         m, h = x.shape
-        y = torch.empty_like(x)
-        total = None if residual is None else torch.empty_like(x)
-        self._lib.tri_rms_norm(x.data_ptr(), _ptr(residual), _ptr(total), weight.data_ptr(), m,
-                               h, eps, y.data_ptr(), threads)
+        y = _empty(x, m, h)
+        total = None if residual is None else _empty(x, m, h)
+        self._lib.tri_rms_norm(_ptr(x), _ptr(residual), _ptr(total), _ptr(weight), m, h, eps,
+                               _ptr(y), threads)
         return y, total
 
-    def silu_and_mul(self, x: torch.Tensor, threads: int) -> torch.Tensor:
+    def silu_and_mul(self, x: Array, threads: int) -> Array:
         m, two_i = x.shape
-        y = torch.empty(m, two_i // 2, dtype=torch.float32)
-        self._lib.tri_silu_and_mul(x.data_ptr(), m, two_i // 2, y.data_ptr(), threads)
+        y = _empty(x, m, two_i // 2)
+        self._lib.tri_silu_and_mul(_ptr(x), m, two_i // 2, _ptr(y), threads)
         return y
 
-    def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   positions: torch.Tensor, slots: torch.Tensor, cos_sin: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def rope_store(self, q: Array, k: Array, v: Array, positions: Array, slots: Array,
+                   cos_sin: Array, k_cache: Array, v_cache: Array) -> None:
         """In place: rotary on q [T, Hq, D] and k [T, Hkv, D]; then k, v into their slots of an
         fp32 or fp16 cache."""
         t, hq, d = q.shape
         hkv = k.shape[1]
-        self._lib.tri_rope_store(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
-                                 v.data_ptr(), v.stride(0), positions.data_ptr(),
-                                 slots.data_ptr(), t, hq, hkv, d, cos_sin.data_ptr(),
-                                 k_cache.data_ptr(), v_cache.data_ptr(), _kv_f16(k_cache))
+        self._lib.tri_rope_store(_ptr(q), _row_stride(q), _ptr(k), _row_stride(k),
+                                 _ptr(v), _row_stride(v), _ptr(positions),
+                                 _ptr(slots), t, hq, hkv, d, _ptr(cos_sin),
+                                 _ptr(k_cache), _ptr(v_cache), _kv_f16(k_cache))
 
-    def extend_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         page_table: torch.Tensor, query_start_loc: torch.Tensor,
-                         seq_lens: torch.Tensor, scale: float, max_len: int,
-                         threads: int) -> torch.Tensor:
+    def extend_attention(self, q: Array, k_cache: Array, v_cache: Array, page_table: Array,
+                         query_start_loc: Array, seq_lens: Array, scale: float, max_len: int,
+                         threads: int) -> Array:
         """Causal attention of the chunks of new tokens q [T, Hq, D] (query_start_loc [B + 1]
-        int64 splits them by sequence) -> [T, Hq, D]; as :meth:`decode_attention` per token."""
+        int64 splits them by sequence) -> [T, Hq, D] of q's kind; as :meth:`decode_attention`
+        per token."""
         t, hq, d = q.shape
         _, page_size, hkv, _ = k_cache.shape
-        out = torch.empty(t, hq, d, dtype=torch.float32)
+        out = _empty(q, t, hq, d)
         rc = self._lib.tri_extend_attention(
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            page_table.data_ptr(), page_table.stride(0), query_start_loc.data_ptr(),
-            seq_lens.data_ptr(), seq_lens.shape[0], hq, hkv, d, page_size, scale, out.data_ptr(),
+            _ptr(q), _row_stride(q), _ptr(k_cache), _ptr(v_cache),
+            _ptr(page_table), _row_stride(page_table), _ptr(query_start_loc),
+            _ptr(seq_lens), seq_lens.shape[0], hq, hkv, d, page_size, scale, _ptr(out),
             max_len, threads, _kv_f16(k_cache))
         if rc == -2:
             raise MemoryError("tri_extend_attention could not allocate its scratch")
@@ -527,20 +599,21 @@ class CpuKernels:
         return out
 
     def decode_step(self, weights: DecoderWeights, page_size: int,
-                    kv_dtype: torch.dtype = torch.float32) -> DecodeStep:
-        """The whole decode step of the model ``weights`` describes, as one call."""
+                    kv_dtype: Any = "float32") -> DecodeStep:
+        """The whole decode step of the model ``weights`` describes, as one call; ``kv_dtype``
+        is the KV cache's (a numpy or torch dtype, or "float32"/"float16")."""
         return DecodeStep(self._lib, weights, page_size, kv_dtype)
 
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         max_len: int, threads: int) -> torch.Tensor:
+    def decode_attention(self, q: Array, k_cache: Array, v_cache: Array, page_table: Array,
+                         seq_lens: Array, scale: float, max_len: int, threads: int) -> Array:
+        """q [B, Hq, D] -> [B, Hq, D] of q's kind."""
         b, hq, d = q.shape
         _, page_size, hkv, _ = k_cache.shape
-        out = torch.empty(b, hq, d, dtype=torch.float32)
+        out = _empty(q, b, hq, d)
         rc = self._lib.tri_decode_attention(
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(), b, hq, hkv, d,
-            page_size, scale, out.data_ptr(), max_len, threads, _kv_f16(k_cache))
+            _ptr(q), _row_stride(q), _ptr(k_cache), _ptr(v_cache),
+            _ptr(page_table), _row_stride(page_table), _ptr(seq_lens), b, hq, hkv, d,
+            page_size, scale, _ptr(out), max_len, threads, _kv_f16(k_cache))
         if rc == -2:
             raise MemoryError("tri_decode_attention could not allocate its scratch")
         if rc != 0:
@@ -554,45 +627,48 @@ class CpuKernels:
 @dataclass(frozen=True)
 class DecoderLayerWeights:
     """One pre-norm decoder layer (Llama, Qwen2, Qwen3): norms' weights and packed linears with
-    their biases (None where the model has none)."""
+    their biases (None where the model has none); arrays are numpy arrays or CPU torch tensors."""
 
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    qkv: tuple[Packed, torch.Tensor | None]
-    o: tuple[Packed, torch.Tensor | None]
-    gate_up: tuple[Packed, torch.Tensor | None]
-    down: tuple[Packed, torch.Tensor | None]
+    input_norm: Array
+    post_norm: Array
+    q_norm: Array | None
+    k_norm: Array | None
+    qkv: tuple[Packed, Array | None]
+    o: tuple[Packed, Array | None]
+    gate_up: tuple[Packed, Array | None]
+    down: tuple[Packed, Array | None]
 
 
 @dataclass(frozen=True)
 class DecoderWeights:
     """What :class:`DecodeStep` needs of a model: shapes, the embedding table (packed or fp32
-    [vocab, H]), the layers, the final norm, the lm_head (packed) and the rotary cos/sin table."""
+    [vocab, H]), the layers, the final norm, the lm_head (packed) and the rotary cos/sin table;
+    arrays are numpy arrays or CPU torch tensors."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     eps: float
-    embed: PackedWeight | torch.Tensor
+    embed: PackedWeight | Array
     layers: list[DecoderLayerWeights]
-    final_norm: torch.Tensor
+    final_norm: Array
     lm_head: Packed
-    cos_sin: torch.Tensor
+    cos_sin: Array
 
 
 class DecodeStep:
     """A model's whole decode step as one C call (``tri_decode_step``); see cpu_kernels.c.
 
-    Holds the C description of the model (pointers into the given tensors, which it keeps alive),
+    Holds the C description of the model (pointers into the given arrays, which it keeps alive),
     checked by the library once here. :meth:`__call__` runs B sequences decoding one token each
-    and returns their logits."""
+    and returns their logits. ``kv_dtype``, the KV cache's, is a numpy or torch dtype or
+    "float32"/"float16"."""
 
     def __init__(self, lib: ctypes.CDLL, w: DecoderWeights, page_size: int,
-                 kv_dtype: torch.dtype = torch.float32) -> None:
+                 kv_dtype: Any = "float32") -> None:
         self._lib = lib
         self._keep = w
+        kv_f16 = _kv_is_f16(kv_dtype)
         layers = (_Layer * len(w.layers))()
         for i, lw in enumerate(w.layers):
             layers[i] = _Layer(_ptr(lw.input_norm), _ptr(lw.post_norm), _ptr(lw.q_norm),
@@ -602,44 +678,43 @@ class DecodeStep:
         hidden = w.layers[0].input_norm.shape[0]
         inter = w.layers[0].down[0].in_features
         if isinstance(w.embed, PackedWeight):
-            embed_fmt, embed, row = _fmt_code(w.embed), w.embed.data, w.embed.data.stride(0)
+            embed_fmt, embed, row = _fmt_code(w.embed), w.embed.data, w.embed.data.strides[0]
         else:
-            embed_fmt, embed, row = 0, w.embed, w.embed.stride(0) * 4
+            embed_fmt, embed, row = 0, w.embed, _row_stride(w.embed) * 4
         self.kv_dtype = kv_dtype
+        self._kv_f16 = kv_f16
         self._model = _Model(len(w.layers), hidden, w.num_heads, w.num_kv_heads, w.head_dim, inter,
-                             page_size, int(kv_dtype == torch.float16), w.eps, w.head_dim**-0.5,
-                             embed_fmt, embed.data_ptr(), row, embed.shape[0],
-                             w.final_norm.data_ptr(),
-                             _lin(w.lm_head, None), w.cos_sin.data_ptr(), layers)
+                             page_size, int(kv_f16), w.eps, w.head_dim**-0.5,
+                             embed_fmt, _ptr(embed), row, embed.shape[0], _ptr(w.final_norm),
+                             _lin(w.lm_head, None), _ptr(w.cos_sin), layers)
         if not lib.tri_model_valid(ctypes.byref(self._model)):
             raise ValueError("tri_model_valid rejected the decoder's description")
         self.vocab_size = w.lm_head.out_features
         self._caches: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
 
-    def _cache_pointers(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+    def _cache_pointers(self, k_caches: list[Array], v_caches: list[Array],
                         ) -> tuple[ctypes.Array, ctypes.Array]:
-        key = tuple(t.data_ptr() for t in (*k_caches, *v_caches))
+        key = tuple(_ptr(t) for t in (*k_caches, *v_caches))
         if self._caches is None or self._caches[0] != key:
             n = len(k_caches)
             self._caches = (key, (_P * n)(*key[:n]), (_P * n)(*key[n:]))
         return self._caches[1], self._caches[2]
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 page_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                 threads: int) -> torch.Tensor:
+    def __call__(self, ids: Array, positions: Array, slots: Array, page_table: Array,
+                 seq_lens: Array, max_len: int, k_caches: list[Array], v_caches: list[Array],
+                 threads: int) -> Array:
         """int64 contiguous ids, positions, slots, seq_lens [B] and page_table [B, pages] (rows
         contiguous); caches [pages, page_size, Hkv, D] per layer, of this step's KV dtype ->
-        logits [B, vocab]."""
-        if k_caches[0].dtype != self.kv_dtype:
+        logits [B, vocab] of the kind of ``ids``."""
+        if _kv_is_f16(k_caches[0]) != self._kv_f16:
             raise ValueError(f"a {self.kv_dtype} step given a {k_caches[0].dtype} KV cache")
         b = ids.shape[0]
-        logits = torch.empty(b, self.vocab_size, dtype=torch.float32)
+        logits = _empty(ids, b, self.vocab_size)
         ks, vs = self._cache_pointers(k_caches, v_caches)
-        rc = self._lib.tri_decode_step(ctypes.byref(self._model), ks, vs, b, ids.data_ptr(),
-                                       positions.data_ptr(), slots.data_ptr(),
-                                       page_table.data_ptr(), page_table.stride(0),
-                                       seq_lens.data_ptr(), max_len, logits.data_ptr(), threads)
+        rc = self._lib.tri_decode_step(ctypes.byref(self._model), ks, vs, b, _ptr(ids),
+                                       _ptr(positions), _ptr(slots),
+                                       _ptr(page_table), _row_stride(page_table),
+                                       _ptr(seq_lens), max_len, _ptr(logits), threads)
         if rc == -2:
             raise MemoryError("tri_decode_step could not allocate its scratch")
         if rc != 0:

@@ -93,18 +93,19 @@ def gguf_tensor_name(name: str) -> str:
     raise GGUFError(f"unexpected tensor {name!r} in the GGUF file")
 
 
-def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_qk(weight: torch.Tensor | np.ndarray, num_heads: int) -> torch.Tensor | np.ndarray:
     """Undo the row permutation llama.cpp's converter applies to Llama's q/k weights (and biases).
 
     The converter regroups each head's rows from Hugging Face's rotate-half layout (first halves,
     then second halves) into interleaved pairs, which is what llama.cpp's rotary kernel expects;
     this puts them back. ``num_heads`` is the number of query heads for q, of kv heads for k.
+    A torch tensor or a numpy array (packed blocks' rows: :attr:`PackedWeight.data`).
     """
     rows = weight.shape[0]
     half = rows // num_heads // 2
     return (
         weight.reshape(num_heads, half, 2, *weight.shape[1:])
-        .transpose(1, 2)
+        .swapaxes(1, 2)  # torch's and numpy's name for the same swap
         .reshape(weight.shape)
     )
 
@@ -205,7 +206,8 @@ class GGUFCheckpoint:
                 elif permute and ".self_attn.k_proj." in name:
                     heads = num_kv_heads
                 if heads and isinstance(weight, PackedWeight):  # the packed rows move
-                    weight = PackedWeight(weight.fmt, unpermute_qk(weight.data, heads).contiguous(),
+                    weight = PackedWeight(weight.fmt,
+                                          np.ascontiguousarray(unpermute_qk(weight.data, heads)),
                                           weight.in_features)
                 elif heads:
                     weight = unpermute_qk(weight, heads)
@@ -344,7 +346,7 @@ def _blocks(path: Path, tensor: TensorInfo,
         blocks = blocks[:, start * row_bytes // cols: stop * row_bytes // cols]
         cols = stop - start
     try:
-        return PackedWeight.from_blocks(fmt, blocks, cols)
+        return PackedWeight.from_blocks(fmt, blocks, cols, threads=torch.get_num_threads())
     except ValueError as exc:
         raise GGUFError(f"{tensor.name}: {exc}") from exc
 

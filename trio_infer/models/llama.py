@@ -170,17 +170,17 @@ class Linear(nn.Module):
         if attr == "weight" and isinstance(self.packed, PackedParts):
             _copy_packed(self.packed.parts[part], tensor, f"weight part {part}")
             return
-        target: torch.Tensor = _load_target(self, attr, tensor)
+        target = _load_target(self, attr, tensor)
         if isinstance(tensor, PackedWeight):
             tensor = tensor.data
         start = sum(self.output_sizes[:part])
-        rows = target.narrow(0, start, self.output_sizes[part])
+        rows = target[start:start + self.output_sizes[part]]  # a view: a tensor's or an array's
         if tuple(rows.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"{attr} part {part}: checkpoint shape {tuple(tensor.shape)}, "
                 f"expected {tuple(rows.shape)}"
             )
-        rows.copy_(tensor)
+        _copy_into(rows, tensor)
 
 
 def _copy_packed(target: PackedWeight, tensor: torch.Tensor | PackedWeight, what: str) -> None:
@@ -190,12 +190,22 @@ def _copy_packed(target: PackedWeight, tensor: torch.Tensor | PackedWeight, what
     if tuple(tensor.data.shape) != tuple(target.data.shape):
         raise ValueError(f"{what}: checkpoint blocks {tuple(tensor.data.shape)}, "
                          f"expected {tuple(target.data.shape)}")
-    target.data.copy_(tensor.data)
+    np.copyto(target.data, tensor.data)
 
 
-def _load_target(module: nn.Module, attr: str, tensor: torch.Tensor | PackedWeight) -> torch.Tensor:
-    """The tensor a checkpoint tensor is copied into: the parameter, or the packed blocks (which
-    take only blocks of the same format)."""
+def _copy_into(target: torch.Tensor | np.ndarray, source: torch.Tensor | np.ndarray) -> None:
+    """Copy a checkpoint tensor into a parameter (torch), or blocks into packed blocks (numpy
+    arrays: :attr:`PackedWeight.data`)."""
+    if isinstance(target, np.ndarray):
+        np.copyto(target, source)
+    else:
+        target.copy_(source)
+
+
+def _load_target(module: nn.Module, attr: str,
+                 tensor: torch.Tensor | PackedWeight) -> torch.Tensor | np.ndarray:
+    """What a checkpoint tensor is copied into: the parameter, or the packed blocks (a numpy
+    array, which takes only blocks of the same format)."""
     packed = getattr(module, "packed", None)
     if attr == "weight" and packed is not None:
         if not isinstance(tensor, PackedWeight) or tensor.fmt != packed.fmt:
@@ -552,7 +562,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"{name}: checkpoint shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
                 )
-            param.copy_(tensor)
+            _copy_into(param, tensor)
             loaded.add(name)
         missing = sorted(expected - loaded)
         if missing:
@@ -568,7 +578,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head" and self.spec.tie_word_embeddings:
                 continue
-            module.packed = module.packed.with_layout(layout)
+            module.packed = module.packed.with_layout(layout, torch.get_num_threads())
         if self.spec.tie_word_embeddings and self.lm_head.packed is not None:
             self.lm_head.packed = self.model.embed_tokens.packed
 

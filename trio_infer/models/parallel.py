@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kernels.cpu import PackedWeight
@@ -172,7 +173,7 @@ class ShardPlan:
                     raise ShardError(f"{name}: packed blocks of {tensor.in_features} columns "
                                      f"were not cut to this rank's {stop - start}")
                 return tensor
-            return dataclasses.replace(tensor, data=tensor.data[start:stop].contiguous())
+            return dataclasses.replace(tensor, data=np.ascontiguousarray(tensor.data[start:stop]))
         if how == "cols":
             return tensor[:, start:stop].contiguous()
         return tensor[start:stop].contiguous()
