@@ -192,6 +192,19 @@ def waits_sleep_at_once() -> bool:
     return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
 
+def compute_path() -> tuple[str, str | None]:
+    """Which kernels serve on the CPU, and what is missing where a slower path stands in:
+    ``("cpu-kernels", None)`` or ``("torch-reference", why)``; :func:`kernels.ops.compute_path`
+    for every device (this one imports no torch, for the worker's report)."""
+    kernels, why = availability()
+    if kernels is not None:
+        return "cpu-kernels", None
+    return "torch-reference", (
+        f"the CPU kernels are unavailable here ({why}): GGUF weights are dequantized to fp32 at "
+        f"load (4-8x the memory of their blocks) and every op runs on torch (decode several "
+        f"times slower)")
+
+
 def load() -> CpuKernels | None:
     """The kernels, built if needed; None where they cannot run (the torch path is used then)."""
     return availability()[0]

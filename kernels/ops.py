@@ -114,13 +114,7 @@ def compute_path(device: torch.device | str) -> tuple[str, str | None]:
         if not _FORCE_REFERENCE and _triton_available():
             return "triton", None
         return "torch-reference", "Triton is unavailable: every op runs on torch's reference"
-    kernels, why = cpu.availability()
-    if kernels is not None:
-        return "cpu-kernels", None
-    return "torch-reference", (
-        f"the CPU kernels are unavailable here ({why}): GGUF weights are dequantized to fp32 at "
-        f"load (4-8x the memory of their blocks) and every op runs on torch (decode several "
-        f"times slower)")
+    return cpu.compute_path()
 
 
 def backend(t: torch.Tensor) -> str:

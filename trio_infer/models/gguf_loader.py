@@ -3,8 +3,10 @@
 A GGUF file holds everything a Hugging Face folder spreads over several files: the model's shape
 as metadata under ``<arch>.*`` keys, the tokenizer (vocabulary, merges, special token ids, chat
 template) under ``tokenizer.*``, and the tensors under llama.cpp's own names, most of them
-quantized. This module turns one into what :mod:`trio_infer.models.loader` needs for the same
-:class:`~trio_infer.models.llama.LlamaForCausalLM` a safetensors checkpoint builds:
+quantized. This module turns one into what :mod:`trio_infer.models.loader` needs for the CPU
+kernels' model (:mod:`trio_infer.models.cpu_llama`) or for the same
+:class:`~trio_infer.models.llama.LlamaForCausalLM` a safetensors checkpoint builds. It imports no
+torch:
 
 - a config made from the metadata (:meth:`GGUFCheckpoint.open`), read by our own parser
   (:mod:`trio_infer.models.gguf_meta`: ``gguf.GGUFReader`` takes seconds over a vocabulary);
@@ -31,7 +33,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from kernels.cpu import PackedWeight
@@ -93,7 +94,7 @@ def gguf_tensor_name(name: str) -> str:
     raise GGUFError(f"unexpected tensor {name!r} in the GGUF file")
 
 
-def unpermute_qk(weight: torch.Tensor | np.ndarray, num_heads: int) -> torch.Tensor | np.ndarray:
+def unpermute_qk(weight: Any, num_heads: int) -> Any:
     """Undo the row permutation llama.cpp's converter applies to Llama's q/k weights (and biases).
 
     The converter regroups each head's rows from Hugging Face's rotate-half layout (first halves,
@@ -119,7 +120,7 @@ class GGUFCheckpoint:
     architecture: str  # the Hugging Face name, e.g. "LlamaForCausalLM"
     config: Any  # the model's config, built from the metadata (see _config)
     eos_token_ids: tuple[int, ...]
-    rope_freq_factors: torch.Tensor | None  # Llama 3 rope scaling, as llama.cpp stores it
+    rope_freq_factors: np.ndarray | None  # Llama 3 rope scaling, as llama.cpp stores it (fp32)
     _meta: GGUFMetadata
 
     @classmethod
@@ -150,7 +151,7 @@ class GGUFCheckpoint:
         config = _config(path, arch, fields, tensors)
         rope_freqs = None
         if ROPE_FREQS_TENSOR in tensors:
-            rope_freqs = _dequantize(meta, tensors[ROPE_FREQS_TENSOR]).float()
+            rope_freqs = _dequantize(meta, tensors[ROPE_FREQS_TENSOR])
         return cls(
             path=path,
             gguf_architecture=arch,
@@ -176,9 +177,11 @@ class GGUFCheckpoint:
 
     def iter_weights(
         self, desc: str, keep: Container[str] = (), shard: ShardPlan | None = None
-    ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
-        """Yield ``(hf_name, fp32 tensor)`` for every weight, dequantized one at a time, with a
-        progress bar over tensors. The model's ``load_weights`` casts to the serving dtype.
+    ) -> Iterator[tuple[str, np.ndarray | PackedWeight]]:
+        """Yield ``(hf_name, fp32 numpy array)`` for every weight, dequantized one at a time,
+        with a progress bar over tensors. The model casts to the serving dtype (numpy, so that
+        the CPU kernels' model loads without torch; the torch model takes the arrays as
+        tensors of the same memory).
 
         A weight whose Hugging Face name is in ``keep`` comes as a :class:`PackedWeight` of its
         raw blocks instead (its type must be one the CPU kernels read).
@@ -194,7 +197,7 @@ class GGUFCheckpoint:
                 if tensor.name == ROPE_FREQS_TENSOR:
                     continue  # folded into the rotary table (see rope_freq_factors)
                 name = gguf_tensor_name(tensor.name)
-                weight: torch.Tensor | PackedWeight
+                weight: np.ndarray | PackedWeight
                 if name in keep:
                     weight = _blocks(self.path, tensor,
                                      shard.columns(name) if shard is not None else None)
@@ -346,13 +349,13 @@ def _blocks(path: Path, tensor: TensorInfo,
         blocks = blocks[:, start * row_bytes // cols: stop * row_bytes // cols]
         cols = stop - start
     try:
-        return PackedWeight.from_blocks(fmt, blocks, cols, threads=torch.get_num_threads())
+        return PackedWeight.from_blocks(fmt, blocks, cols)
     except ValueError as exc:
         raise GGUFError(f"{tensor.name}: {exc}") from exc
 
 
-def _dequantize(meta: GGUFMetadata, tensor: TensorInfo) -> torch.Tensor:
-    """One GGUF tensor as an fp32 torch tensor of its Hugging Face shape (rows, cols)."""
+def _dequantize(meta: GGUFMetadata, tensor: TensorInfo) -> np.ndarray:
+    """One GGUF tensor as an fp32 array of its Hugging Face shape (rows, cols), writable."""
     from gguf.quants import dequantize
 
     array = dequantize(meta.tensor_data(tensor), tensor.tensor_type)
@@ -360,4 +363,4 @@ def _dequantize(meta: GGUFMetadata, tensor: TensorInfo) -> torch.Tensor:
     array = np.asarray(array, dtype=np.float32).reshape(shape)
     if not array.flags.writeable:  # F32 tensors come back as views of the read-only memmap
         array = array.copy()
-    return torch.from_numpy(array)
+    return array

@@ -15,8 +15,9 @@ import logging
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from tqdm import tqdm
 
 from trio_infer.models.base import CausalLM, ModelInfo
@@ -234,7 +235,8 @@ def _load_torch_model(
         checkpoint = GGUFCheckpoint.open(gguf_file)
         architecture, config = checkpoint.architecture, checkpoint.config
         eos_ids = checkpoint.eos_token_ids
-        freq_factors = checkpoint.rope_freq_factors
+        if checkpoint.rope_freq_factors is not None:
+            freq_factors = torch.from_numpy(checkpoint.rope_freq_factors)
         if keep_blocks is None:
             keep_blocks = packing_possible(device, dtype)
         elif keep_blocks and not packing_possible(device, dtype):
@@ -282,9 +284,18 @@ def _load_torch_model(
         config, spec.head_dim, spec.max_position_embeddings, device, freq_factors
     )
     model = LlamaForCausalLM(spec, info, cos_sin_cache, device, packed, activations, parallel)
-    model.load_weights(weights(f"Loading {info.name}"))
+    model.load_weights(_tensors(weights(f"Loading {info.name}")))
     release_freed_memory()
     return model.eval()
+
+
+def _tensors(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's weights with every numpy array (the GGUF loader's) as a tensor of the
+    same memory, for the torch model."""
+    import torch
+
+    for name, tensor in weights:
+        yield name, torch.from_numpy(tensor) if isinstance(tensor, np.ndarray) else tensor
 
 
 def release_freed_memory() -> None:

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from kernels.cpu import PackedWeight
 
@@ -159,14 +158,15 @@ class ShardPlan:
         cut = self._range(name)
         return cut[1] if cut is not None and cut[0] == "cols" else None
 
-    def take(self, name: str, tensor: torch.Tensor | PackedWeight) -> torch.Tensor | PackedWeight:
-        """This rank's part of checkpoint tensor ``name`` (whole if it is replicated)."""
+    def take(self, name: str, tensor: Any) -> Any:
+        """This rank's part of checkpoint tensor ``name`` (whole if it is replicated): a numpy
+        array (what the GGUF loader reads), a torch tensor (safetensors) or packed blocks."""
         cut = self._range(name)
         if cut is None:
             return tensor
         how, (start, stop) = cut
         if how == "bias0":
-            return tensor if self.rank == 0 else torch.zeros_like(tensor)
+            return tensor if self.rank == 0 else tensor * 0
         if isinstance(tensor, PackedWeight):
             if how == "cols":
                 if tensor.in_features != stop - start:
@@ -174,9 +174,8 @@ class ShardPlan:
                                      f"were not cut to this rank's {stop - start}")
                 return tensor
             return dataclasses.replace(tensor, data=np.ascontiguousarray(tensor.data[start:stop]))
-        if how == "cols":
-            return tensor[:, start:stop].contiguous()
-        return tensor[start:stop].contiguous()
+        part = tensor[:, start:stop] if how == "cols" else tensor[start:stop]
+        return np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part.contiguous()
 
 
 class Collectives:
@@ -190,13 +189,13 @@ class Collectives:
         self.plan = plan
         self.group = group
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: Any) -> Any:
         import torch.distributed as dist
 
         dist.all_reduce(x, group=self.group)
         return x
 
-    def embed(self, ids: torch.Tensor, table: Any, lookup: Any) -> torch.Tensor:
+    def embed(self, ids: Any, table: Any, lookup: Any) -> Any:
         """Rows of the vocabulary-split embedding: each rank looks up the ids it holds (zeros
         for the rest), and the sum over ranks is the full lookup."""
         start, stop = self.plan.vocab
@@ -206,9 +205,10 @@ class Collectives:
         hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.all_reduce(hidden)
 
-    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+    def gather_logits(self, logits: Any) -> Any:
         """Each rank's vocabulary columns -> the full rows (on every rank). all_gather needs equal
         sizes: an uneven split is padded to the widest part and trimmed after."""
+        import torch
         import torch.distributed as dist
 
         ranges = self.plan.vocab_ranges

@@ -93,11 +93,16 @@ class WorkerCore:
         self._sent_stats: dict[int, EngineStatistics] = {}
 
     def hello(self, port: int = 0) -> bytes:
-        from kernels.ops import compute_path
+        from kernels import cpu
 
         e = self.engine
         info = e.model.info
-        kernels, problem = compute_path(e.device)
+        if e.device == "cpu":  # without kernels.ops, which imports torch
+            kernels, problem = cpu.compute_path()
+        else:
+            from kernels.ops import compute_path
+
+            kernels, problem = compute_path(e.device)
         kv_dtype = e.kv_cache.dtype if e.kv_cache.k else ""
         return encode([Hello(info.name, info.vocab_size, e.max_model_len, e.pool.num_pages,
                              port, self.num_ports, kernels, problem, kv_dtype)])
