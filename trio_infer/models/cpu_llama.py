@@ -198,6 +198,24 @@ class CpuLlama:
                     if a is not None]
         return out
 
+    def packed_weights(self) -> dict[str, Packed]:
+        """Module name (the torch model's: ``model.layers.0.self_attn.qkv_proj``,
+        ``model.embed_tokens``, ``lm_head``) -> its packed weight, for every weight kept in
+        blocks (a tied lm_head is the embedding's and is not listed)."""
+        w = self._weights
+        out: dict[str, Packed] = {}
+        if isinstance(w.embed, PackedWeight):
+            out["model.embed_tokens"] = w.embed
+        for i, layer in enumerate(w.layers):
+            prefix = f"model.layers.{i}"
+            out[f"{prefix}.self_attn.qkv_proj"] = layer.qkv[0]
+            out[f"{prefix}.self_attn.o_proj"] = layer.o[0]
+            out[f"{prefix}.mlp.gate_up_proj"] = layer.gate_up[0]
+            out[f"{prefix}.mlp.down_proj"] = layer.down[0]
+        if w.lm_head is not w.embed:
+            out["lm_head"] = w.lm_head
+        return out
+
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of the packed weights (a tied lm_head is the embedding's table, counted once)
         and of the other arrays (norms, biases, an fp32 embedding, the rotary table)."""

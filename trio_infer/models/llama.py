@@ -56,6 +56,8 @@ from trio_infer.models.spec import (  # noqa: F401 (re-exported)
     STATIC_ROPE_TYPES,
     SUPPORTED_ARCHITECTURES,
     LlamaSpec,
+    cos_sin_table,
+    default_inv_freq,
     rope_parameters,
 )
 from trio_infer.models.step_threads import StepThreads
@@ -79,8 +81,9 @@ def build_cos_sin_cache(
 ) -> torch.Tensor:
     """``cat(cos, sin)`` for positions ``0 .. max_positions-1``: [max_positions, head_dim], fp32.
 
-    Default frequencies are computed here; scaled variants (linear, llama3, yarn) come from
-    transformers' own rope init functions, so they match the oracle by construction. The table
+    Default and linear frequencies are computed by :func:`~trio_infer.models.spec.cos_sin_table`
+    (the CPU kernels' numpy model's table too, so that both models rotate bitwise alike); the
+    other scaled variants (llama3, yarn) come from transformers' own rope init functions. The table
     stays fp32 whatever the model dtype: it is small, and the rotary op computes in fp32 anyway.
 
     ``freq_factors`` ([head_dim / 2]) divide the default frequencies: that is how GGUF files store
@@ -92,26 +95,25 @@ def build_cos_sin_cache(
         raise ValueError(
             f"rope type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}"
         )
-    if rope_type == "default":
-        theta = float(params["rope_theta"])
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (theta**exponents)
-        attention_factor = 1.0
-    else:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    inv_freq = default_inv_freq(params, head_dim)
+    if inv_freq is not None:
+        # The CPU kernels' numpy model builds its table the same way: both models' rotary
+        # embeddings are bitwise the same.
+        factors = None if freq_factors is None else freq_factors.float().numpy()
+        if factors is not None and rope_type != "default":
+            raise ValueError(f"rope frequency factors need the default rope type (got {rope_type!r})")
+        if inv_freq.shape[0] * 2 != head_dim:
+            raise ValueError("partial rotary embeddings are not supported")
+        return torch.from_numpy(cos_sin_table(inv_freq, max_positions, freq_factors=factors)).to(device)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-    if inv_freq.shape[0] * 2 != head_dim:
+    inv_freq_t, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    if inv_freq_t.shape[0] * 2 != head_dim:
         raise ValueError("partial rotary embeddings are not supported")
     if freq_factors is not None:
-        if rope_type != "default" or freq_factors.shape != inv_freq.shape:
-            raise ValueError(
-                f"rope frequency factors of shape {tuple(freq_factors.shape)} need the default "
-                f"rope type and {inv_freq.shape[0]} factors (got {rope_type!r})"
-            )
-        inv_freq = inv_freq / freq_factors.float()
+        raise ValueError(f"rope frequency factors need the default rope type (got {rope_type!r})")
     positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq.float())  # [P, D/2]
+    freqs = torch.outer(positions, inv_freq_t.float())  # [P, D/2]
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
     return cache.to(device)
 
