@@ -85,7 +85,10 @@ class FakeModel:
     def forward(
         self, batch: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
     ) -> torch.Tensor:
-        logits = self._forward(batch, k_caches[0])
+        # In inference mode, as the real models' forward (the model runner does not enter it:
+        # its sampling is numpy).
+        with torch.inference_mode():
+            logits = self._forward(batch, k_caches[0])
         if self.step_s > 0:
             # Steps on a cadence of step_s (like a null engine's tick), not step_s on top of the
             # engine's own work: the simulated step includes scheduling and committing, as long as

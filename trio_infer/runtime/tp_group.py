@@ -125,7 +125,9 @@ class GroupLeader:
         self._broadcast(("step", batch if batch.input_ids.device.type == "cpu"
                          else _batch_to(batch, "cpu")))
         try:
-            return self.model.forward(batch, k_caches, v_caches)
+            # (The model's forward enters inference mode too; the model runner does not.)
+            with torch.inference_mode():
+                return self.model.forward(batch, k_caches, v_caches)
         except Exception as exc:
             # A failed collective, or any error that left this rank's collectives out of step
             # with the others': the group cannot go on (one worker fails only the step's
