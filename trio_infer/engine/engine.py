@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Hashable
 
+import numpy as np
 import torch
 
 from trio_infer.engine.config import EngineConfig
@@ -166,7 +167,9 @@ class Engine:
             matcher = self.grammars.matcher(params.grammar)  # ValueError if it does not compile
         generator = None
         if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            # numpy refuses a negative seed; torch's manual_seed took one modulo 2**64, and so
+            # does this (the front end sends seeds in [0, 2**64) already).
+            generator = np.random.default_rng(params.seed % 2**64)
         seq = Sequence(
             uid=uid,
             token_ids=list(prompt_ids),
