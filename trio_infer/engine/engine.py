@@ -167,8 +167,8 @@ class Engine:
             matcher = self.grammars.matcher(params.grammar)  # ValueError if it does not compile
         generator = None
         if params.seed is not None:
-            # numpy refuses a negative seed; torch's manual_seed took one modulo 2**64, and so
-            # does this (the front end sends seeds in [0, 2**64) already).
+            # numpy refuses a negative seed, which torch's manual_seed accepted (remapped to a
+            # positive one): taken modulo 2**64 (the front end sends seeds in [0, 2**64) already).
             generator = np.random.default_rng(params.seed % 2**64)
         seq = Sequence(
             uid=uid,
