@@ -16,8 +16,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
-import torch
 
 from trio_infer.api.errors import APIError
 from trio_infer.api.events import Content, Finish, Reasoning, ResponseEvents, ThinkSplit, reasoning_tokens
@@ -141,21 +141,21 @@ def test_repetition_penalty_and_min_tokens_in_the_sampler() -> None:
         output_ids = [5]
         min_tokens_block = (0,)
 
-    row = torch.tensor([3.0, 2.0, -2.0, 1.0, 0.0, 4.0])
+    row = np.array([3.0, 2.0, -2.0, 1.0, 0.0, 4.0], dtype=np.float32)
     p = SamplingParams(repetition_penalty=2.0, min_tokens=2)
     _adjust(row, Seq(), p, 6)  # type: ignore[arg-type]
     _restrict(row, Seq(), p)  # type: ignore[arg-type]
     # Seen tokens (prompt and output: 1, 2, 5): positive logits halved, negative ones doubled;
     # token 0 (the EOS here) forbidden while fewer than min_tokens were generated.
     assert row.tolist() == [float("-inf"), 1.0, -4.0, 1.0, 0.0, 2.0]
-    row = torch.tensor([3.0, 2.0, -2.0, 1.0, 0.0, 4.0])
+    row = np.array([3.0, 2.0, -2.0, 1.0, 0.0, 4.0], dtype=np.float32)
     p = SamplingParams(min_tokens=1, logit_bias=((3, 1.5),))
     _adjust(row, Seq(), p, 6)  # type: ignore[arg-type]
     _restrict(row, Seq(), p)  # type: ignore[arg-type]
     assert row.tolist() == [3.0, 2.0, -2.0, 2.5, 0.0, 4.0]
     # A grammar that allows only the EOS wins over min_tokens (a row with no token left would
     # sample garbage).
-    row = torch.tensor([0.5] + [float("-inf")] * 5)
+    row = np.array([0.5] + [float("-inf")] * 5, dtype=np.float32)
     _restrict(row, Seq(), SamplingParams(min_tokens=3))  # type: ignore[arg-type]
     assert row[0] == 0.5
 

@@ -1,11 +1,13 @@
-"""The model runner's decode batch: the arrays a step of one-token decodes hands the model."""
+"""The model runner: the decode batch (the arrays a step of one-token decodes hands the
+model), and the forward's logits taken to the host as numpy for sampling."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from trio_infer.engine.kv_cache import KVCache
-from trio_infer.engine.model_runner import ModelRunner
+from trio_infer.engine.model_runner import ModelRunner, host_logits
 from trio_infer.engine.scheduler import Schedule, ScheduledSeq
 from trio_infer.engine.sequence import Sequence
 from trio_infer.wire import SamplingParams
@@ -61,3 +63,52 @@ def test_a_decode_batch_is_a_snapshot_the_next_step_leaves_alone() -> None:
     assert second.positions.tolist() == [8, 1]
     for name, values in kept.items():
         assert np.array_equal(getattr(first, name), values), name
+
+
+
+def test_host_logits_is_a_writable_contiguous_float32_array() -> None:
+    """The forward's logits as the sampler takes them: a numpy float32 array as it is, a CPU
+    float32 tensor as a view of its memory (no copy), anything else copied."""
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert host_logits(a) is a
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    view = host_logits(t)
+    view[0, 0] = 7.0
+    assert t[0, 0] == 7.0  # shared memory
+    with torch.inference_mode():  # as the models return them
+        inf = torch.ones(2, 3)
+    assert host_logits(inf).tolist() == [[1.0] * 3] * 2
+    for x in (torch.ones(2, 3, dtype=torch.bfloat16), t[:, ::2], a[:, ::2], a.astype(np.float64),
+              np.broadcast_to(a[:1], (3, 4))):
+        h = host_logits(x)
+        assert h.dtype == np.float32 and h.flags.c_contiguous and h.flags.writeable
+        assert np.array_equal(h, np.asarray(x.float() if isinstance(x, torch.Tensor) else x,
+                                            dtype=np.float32))
+
+
+class Rows:
+    """Returns fixed logits rows, as a torch tensor or as a numpy array."""
+
+    def __init__(self, logits: np.ndarray, as_numpy: bool) -> None:
+        self.logits = logits
+        self.as_numpy = as_numpy
+
+    def forward(self, batch, k, v):  # type: ignore[no-untyped-def]
+        x = self.logits.copy()
+        return x if self.as_numpy else torch.from_numpy(x)
+
+
+def test_run_samples_the_same_from_a_tensor_or_an_array() -> None:
+    logits = np.random.default_rng(0).standard_normal((3, 10)).astype(np.float32)
+    seqs = [Sequence(uid=i, token_ids=[1], num_prompt_tokens=1, params=p, max_len=9)
+            for i, p in enumerate([SamplingParams(temperature=0), SamplingParams(temperature=0.9),
+                                   SamplingParams(temperature=0, logprobs=2)])]
+    results = []
+    for as_numpy in (False, True):
+        r = runner()
+        r.model = Rows(logits, as_numpy)  # type: ignore[assignment]
+        assert isinstance(r.rng, np.random.Generator)
+        r.rng = np.random.default_rng(5)
+        results.append(r.run(r.prepare(decodes([1, 1, 1]))[0], seqs))
+    assert results[0] == results[1]
+    assert results[0].token_ids[0] == int(logits[0].argmax())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -207,14 +208,14 @@ def test_engine_with_the_payoff_measurement_gives_the_same_tokens() -> None:
 
 def test_greedy_verification_keeps_the_agreeing_prefix_and_corrects() -> None:
     vocab = 6
-    seq = type("S", (), {"params": SamplingParams(temperature=0)})()
+    seq = type("S", (), {"params": SamplingParams(temperature=0), "generator": None})()
     best = [3, 4, 1, 5]  # the argmax of each row: row j is after draft[:j]
-    logits = torch.zeros(4, vocab)
-    logits[torch.arange(4), torch.tensor(best)] = 1.0
+    logits = np.zeros((4, vocab), dtype=np.float32)
+    logits[np.arange(4), best] = 1.0
     drafts = Drafts([seq], [(3, 4, 2)], [0], [])
-    assert verify(logits, drafts) == [[3, 4, 1]]  # kept 3, 4; row 2 says 1, not 2
+    assert verify(logits, drafts, np.random.default_rng()) == [[3, 4, 1]]  # kept 3, 4; row 2 says 1
     drafts = Drafts([seq], [(3, 4, 1)], [0], [])
-    assert verify(logits, drafts) == [[3, 4, 1, 5]]  # all kept, and the bonus token
+    assert verify(logits, drafts, np.random.default_rng()) == [[3, 4, 1, 5]]  # all kept, and the bonus
 
 
 def _chi_square(counts: list[int], probs: list[float]) -> float:
@@ -225,15 +226,16 @@ def _chi_square(counts: list[int], probs: list[float]) -> float:
 def test_rejection_sampling_keeps_the_distribution_at_temperature_1() -> None:
     """Draft (2, 5) against fixed rows p0, p1, p2 over 8 tokens: the first token is distributed as
     p0 and, when it is the draft's, the second as p1; tokens outside a top-k never appear."""
-    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
     vocab, n = 8, 6000
-    logits = torch.randn(3, vocab) * 1.5
+    logits = (rng.standard_normal((3, vocab)) * 1.5).astype(np.float32)
     params = SamplingParams(temperature=1.0)
-    p = probabilities(logits.clone(), params)
-    seq = type("S", (), {"params": params})()
-    tiled = logits.repeat(n, 1)
+    p = probabilities(logits, params)
+    seq = type("S", (), {"params": params, "generator": None})()
+    tiled = np.tile(logits, (n, 1))
     drafts = Drafts([seq] * n, [(2, 5)] * n, list(range(0, 3 * n, 3)), [])
-    outs = verify(tiled, drafts)
+    outs = verify(tiled, drafts, rng)
+    assert np.array_equal(tiled, np.tile(logits, (n, 1)))  # verify leaves the logits alone
     first = [0] * vocab
     second = [0] * vocab
     for toks in outs:
@@ -246,13 +248,13 @@ def test_rejection_sampling_keeps_the_distribution_at_temperature_1() -> None:
     assert sum(second) > 300  # the conditional had samples enough to mean something
 
     top2 = SamplingParams(temperature=1.0, top_k=2)
-    q = probabilities(logits.clone(), top2)
-    assert int((q > 0).sum(dim=-1).max()) == 2
-    assert torch.allclose(q.sum(dim=-1), torch.ones(3))
-    seq2 = type("S", (), {"params": top2})()
-    outs = verify(logits.repeat(200, 1), Drafts([seq2] * 200, [(2, 5)] * 200,
-                                                 list(range(0, 600, 3)), []))
-    allowed = [set(torch.nonzero(q[j]).flatten().tolist()) for j in range(3)]
+    q = probabilities(logits, top2)
+    assert int((q > 0).sum(axis=-1).max()) == 2
+    assert np.allclose(q.sum(axis=-1), 1.0)
+    seq2 = type("S", (), {"params": top2, "generator": None})()
+    outs = verify(np.tile(logits, (200, 1)), Drafts([seq2] * 200, [(2, 5)] * 200,
+                                                   list(range(0, 600, 3)), []), rng)
+    allowed = [set(np.flatnonzero(q[j]).tolist()) for j in range(3)]
     for toks in outs:
         for j, t in enumerate(toks):
             assert t in allowed[j]
@@ -733,11 +735,12 @@ def test_sampling_with_a_draft_model_keeps_the_distribution_at_temperature_1() -
                                         max_batched_tokens=1024, **dict(DRAFT, speculative_max_batch=512,
                                                                          speculative_min_acceptance=0.0)),
                     draft_model=ByPosition())
+    engine.runner.rng = np.random.default_rng(1)  # the sampler's draws, fixed (the test's too)
     params = SamplingParams(temperature=1.0, max_tokens=3)
     got = run(engine, {i: ([5], params) for i in range(n)})
     stats = engine.statistics()
     assert 0 < stats.spec_accepted < stats.spec_proposed
-    p = probabilities(logits.clone(), params)
+    p = probabilities(logits.numpy(), params)
     second = [0] * 8
     third = [0] * 8
     for toks in got.values():

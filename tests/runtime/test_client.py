@@ -311,13 +311,14 @@ async def test_wait_sessions_done(autojump_clock) -> None:
 
 def test_inference_mode_is_entered_in_the_worker_thread() -> None:
     """Trap 11: grad and inference mode are thread-local; the step runs in a worker thread, so
-    the runner must enter inference mode there, not rely on the caller's thread."""
+    inference mode must be entered there, not relied on from the caller's thread: the models
+    enter it in their own forward (the model runner's sampling after it is numpy)."""
     seen = []
 
     class Spy(FakeModel):
-        def forward(self, batch, k, v):
+        def _forward(self, batch, k_cache):
             seen.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
-            return super().forward(batch, k, v)
+            return super()._forward(batch, k_cache)
 
     engine = Engine(Spy(vocab_size=VOCAB), EngineConfig(page_size=4, num_pages=16, max_running=4,
                                                         max_batched_tokens=8))

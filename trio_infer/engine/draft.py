@@ -43,6 +43,7 @@ import numpy as np
 
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.kv_cache import KVCache, OutOfPages, PagePool, resolve_kv_dtype
+from trio_infer.engine.model_runner import host_logits
 from trio_infer.engine.sampler import argmax_ids
 from trio_infer.engine.sequence import Sequence
 from trio_infer.engine.speculative import Drafts, Proposer
@@ -147,8 +148,7 @@ class DraftModel:
             max_query_len=max(counts),
             max_seq_len=max(seq_lens),
         )
-        logits = self.model.forward(batch, self.kv_cache.k, self.kv_cache.v)
-        best = argmax_ids(logits)
+        best = argmax_ids(host_logits(self.model.forward(batch, self.kv_cache.k, self.kv_cache.v)))
         tokens = [0] * len(rows)
         for row, i in enumerate(order):
             tokens[i] = best[row]

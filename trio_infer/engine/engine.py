@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Hashable
 
-import torch
+import numpy as np
 
 from trio_infer.engine.config import EngineConfig
 from trio_infer.engine.draft import DraftModel, DraftWork, draft_work, fill_drafts
@@ -166,7 +166,9 @@ class Engine:
             matcher = self.grammars.matcher(params.grammar)  # ValueError if it does not compile
         generator = None
         if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            # numpy refuses a negative seed, which torch's manual_seed accepted (remapped to a
+            # positive one): taken modulo 2**64 (the front end sends seeds in [0, 2**64) already).
+            generator = np.random.default_rng(params.seed % 2**64)
         seq = Sequence(
             uid=uid,
             token_ids=list(prompt_ids),

@@ -15,10 +15,12 @@ into an ``LLMatcher`` when the request is added and keeps the matcher on the
   valid while the sequence is recomputed.
 
 Each step, :class:`TokenMasks` computes the masks of the constrained sequences that sample, in a
-thread started before the forward pass (llguidance and torch release the GIL while they compute,
-so the masks overlap the model): llguidance's packed bitmask, then the additive bias the sampler
-needs (0 where allowed, -inf elsewhere). The sampler then adds it to the constrained rows, one
-tensor op on the stepping thread. Unconstrained rows are never touched.
+thread started before the forward pass (llguidance and the model's kernels release the GIL while
+they compute, so the masks overlap the model): llguidance's packed bitmask, then the additive bias
+the sampler needs (0 where allowed, -inf elsewhere), a numpy float32 array like the logits it
+is added to (the sampling stack imports no torch: engine/sampler.py). The sampler then adds it
+to the constrained rows, one array op on the stepping thread. Unconstrained rows are never
+touched.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from typing import Any, Callable, Sequence as Seq
 import llguidance
 import llguidance.numpy
 import numpy as np
-import torch
 
 
 class Grammars:
@@ -128,7 +129,7 @@ class TokenMasks:
         # numpy's helpers, not llguidance.torch's: importing those runs a torch.compile
         # decorator, which imports dynamo and inductor (2-3 s of the worker's start-up).
         self.bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), grammars.vocab_size)
-        self.bias: torch.Tensor | None = None  # [len(rows), vocab]: 0 allowed, -inf forbidden
+        self.bias: np.ndarray | None = None  # [len(rows), vocab] float32: 0 allowed, -inf forbidden
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._compute, name="token-masks", daemon=True)
 
@@ -147,10 +148,10 @@ class TokenMasks:
             llguidance.numpy.fill_next_token_bitmask_par(
                 self._grammars.executor, [(m, j) for j, m in enumerate(self._matchers)], self.bitmask
             )
-            # numpy, single-threaded: torch ops in this thread would start an OpenMP team of
-            # their own (the thread count is per thread) and fight the forward pass for cores.
-            allowed = _unpack(self.bitmask, self._grammars.vocab_size)
-            self.bias = torch.from_numpy(np.take(_BIAS, allowed.view(np.uint8)))
+            # numpy, single-threaded: it never starts a thread team of its own to fight the
+            # forward pass for cores (torch ops here would start an OpenMP team per thread).
+            allowed = unpack_bitmask(self.bitmask, self._grammars.vocab_size)
+            self.bias = np.take(_BIAS, allowed.view(np.uint8))
         except BaseException as exc:  # re-raised in the stepping thread by wait()
             self._error = exc
 
@@ -163,30 +164,23 @@ class TokenMasks:
         if self._error is not None:
             raise self._error
 
-    def apply(self, logits: torch.Tensor) -> None:
+    def apply(self, logits: np.ndarray) -> None:
         """Set the logits of every token the grammar forbids to -inf, in the constrained rows
-        only (adding 0 leaves an allowed logit exactly as it was). ``logits`` is [N, V] with V
-        the grammars' vocabulary (the model's)."""
+        only (adding 0 leaves an allowed logit exactly as it was). ``logits`` is [N, V] float32
+        with V the grammars' vocabulary (the model's), changed in place."""
         self.wait()
         assert self.bias is not None
-        bias = self.bias.to(logits.device, logits.dtype)
         if len(self.rows) == logits.shape[0]:  # every row constrained: in place, no gather
-            logits += bias
+            logits += self.bias
         else:
-            rows = torch.tensor(self.rows, dtype=torch.int64, device=logits.device)
-            logits.index_add_(0, rows, bias)
+            logits[self.rows] += self.bias  # the rows are distinct: a gather, an add, a scatter
 
 
 _BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # forbidden, allowed (a gather: np.where is 4x slower)
 
 
-def _unpack(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+def unpack_bitmask(bitmask: np.ndarray, vocab: int) -> np.ndarray:
     """llguidance's packed int32 bitmask [R, ceil(V/32)] as a bool array [R, vocab]: bit b of
     word w is token 32*w + b, little-endian, so bit k of byte j is token 8*j + k."""
     packed = bitmask.view(np.uint8)
     return np.unpackbits(packed, axis=1, count=vocab, bitorder="little").view(np.bool_)
-
-
-def unpack_bitmask(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
-    """:func:`_unpack` as a torch tensor."""
-    return torch.from_numpy(_unpack(bitmask, vocab))

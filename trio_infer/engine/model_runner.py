@@ -1,18 +1,22 @@
-"""Turns a schedule into tensors, runs the model, samples.
+"""Turns a schedule into arrays, runs the model, samples.
 
 The model computes logits only for the rows of ``batch.logits_indices``: first the sampling
 rows in schedule order (one per sequence that samples, ``1 + len(draft)`` for a sequence that
 verifies a draft: engine/speculative.py), then the rows that give prompt logprobs
 (:class:`PromptRows`), which exist only for the sequences that asked for them.
+
+The forward's logits become a host float32 numpy array at one place, :func:`host_logits`, right
+after the forward: sampling, verification and prompt logprobs work on numpy and import no torch
+(engine/sampler.py says why and what it costs a GPU).
 """
 
 from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-import torch
 
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.grammar import TokenMasks
@@ -33,6 +37,20 @@ class PromptRows:
     top_k: list[int]
 
 
+def host_logits(x: Any) -> np.ndarray:
+    """A forward's logits as a writable, C-contiguous float32 numpy array on the host, which the
+    sampler may change in place: the one place where they leave torch. Such an array is
+    returned as it is; anything else is taken for a torch tensor (duck-typed, so this needs no
+    torch): a contiguous CPU float32 one becomes a view of its memory (no copy), a GPU one is
+    cast to float32 on the device and copied to the host (a device synchronisation every step:
+    engine/sampler.py), anything else is copied."""
+    if not isinstance(x, np.ndarray):
+        x = x.detach().float().cpu().numpy()
+    if x.dtype != np.float32 or not x.flags.c_contiguous or not x.flags.writeable:
+        x = np.array(x, dtype=np.float32, order="C")  # a copy
+    return x
+
+
 def _int64(values: list[int]) -> np.ndarray:
     """``values`` as an int64 array, converted by ``array``'s C loop (``np.array`` on a list of
     ints walks it object by object: a 256 x 12 page table took ~3x as long). The array shares the
@@ -48,6 +66,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self._aranges: dict[int, np.ndarray] = {}  # batch size -> arange(n + 1)
+        # The random rows without a seed of their own draw from this (engine/sampler.py); a
+        # seeded request draws from its Sequence.generator. Unseeded: fresh entropy per worker.
+        self.rng = np.random.default_rng()
 
     def prepare(self, schedule: Schedule) -> tuple[ForwardBatch, PromptRows | None, Drafts | None]:
         """Build the step's input tensors from the schedule's snapshot (not from live state).
@@ -203,19 +224,24 @@ class ModelRunner:
         """Forward pass and sampling; ``sampling`` lists the plain sampling sequences in
         logits-row order, and ``prompt_rows`` the rows after theirs. ``masks``: the grammar masks
         of the constrained rows, being computed while the model runs (engine/grammar.py).
-        ``drafts``: the verifying sequences, whose rows are among the sampling ones."""
-        with torch.inference_mode():  # per thread: the runtime calls this from a worker thread
-            logits = self.model.forward(batch, self.kv_cache.k, self.kv_cache.v)
-            num_rows = len(sampling)
-            if drafts is None:
-                result = sample(logits[:num_rows], sampling, masks) if sampling else SampleResult([], [])
-            else:
-                num_rows += sum(len(d) + 1 for d in drafts.tokens)
-                plain = logits[torch.tensor(drafts.plain_rows, dtype=torch.int64, device=logits.device)]
-                result = sample(plain, sampling, masks) if sampling else SampleResult([], [])
-                result.verified.extend(verify(logits[:num_rows], drafts))
-            if prompt_rows is not None:
-                result.prompt_logprobs.extend(prompt_logprobs(
-                    logits[num_rows:], prompt_rows.targets, prompt_rows.top_k
-                ))
-            return result
+        ``drafts``: the verifying sequences, whose rows are among the sampling ones.
+
+        No ``torch.inference_mode()`` here: the torch models enter it in their own ``forward``
+        (the runtime calls this from a worker thread, and the mode is per thread), and what
+        follows the forward is numpy."""
+        logits = host_logits(self.model.forward(batch, self.kv_cache.k, self.kv_cache.v))
+        num_rows = len(sampling)
+        if drafts is None:
+            result = (sample(logits[:num_rows], sampling, masks, rng=self.rng) if sampling
+                      else SampleResult([], []))
+        else:
+            num_rows += sum(len(d) + 1 for d in drafts.tokens)
+            plain = logits[drafts.plain_rows]  # a copy: the sampler's changes stay out of verify's
+            result = (sample(plain, sampling, masks, rng=self.rng) if sampling
+                      else SampleResult([], []))
+            result.verified.extend(verify(logits[:num_rows], drafts, self.rng))
+        if prompt_rows is not None:
+            result.prompt_logprobs.extend(prompt_logprobs(
+                logits[num_rows:], prompt_rows.targets, prompt_rows.top_k
+            ))
+        return result

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Hashable
 
-import torch
+import numpy as np
 
 from trio_infer.wire import SamplingParams
 
@@ -41,7 +41,9 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     max_len: int  # stop with "length" once the sequence holds this many tokens
-    generator: torch.Generator | None = None  # per-request RNG when the request has a seed
+    # The request's own RNG when it has a seed (Engine.add_request): its random rows draw only
+    # from it, so its tokens do not depend on the batch (engine/sampler.py).
+    generator: np.random.Generator | None = None
     status: Status = Status.WAITING
     num_computed: int = 0
     pages: list[int] = field(default_factory=list)

@@ -58,7 +58,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from trio_infer.engine.sampler import argmax_ids, probabilities
 
@@ -282,15 +282,17 @@ class Drafts:
     plain_rows: list[int]
 
 
-def verify(logits: torch.Tensor, drafts: Drafts) -> list[list[int]]:
+def verify(logits: np.ndarray, drafts: Drafts, rng: np.random.Generator) -> list[list[int]]:
     """The tokens each verifying sequence emits this step: its kept drafts, then the model's
     token at the first position it did not keep (or after the last draft). ``logits``: the
-    step's sampling rows, fp32."""
+    step's sampling rows, float32 (left unchanged). A sampled sequence's uniforms and draws come
+    from its own generator if it has one (the engine lets no seeded sampled request speculate,
+    so that is a safety net), else from ``rng``, the caller's."""
     greedy = [i for i, seq in enumerate(drafts.seqs) if seq.params.greedy]
     best: dict[int, list[int]] = {}
     if greedy:
         idx = [r for i in greedy for r in range(drafts.rows[i], drafts.rows[i] + len(drafts.tokens[i]) + 1)]
-        flat = argmax_ids(logits[torch.tensor(idx, dtype=torch.int64, device=logits.device)])
+        flat = argmax_ids(logits[idx])
         at = 0
         for i in greedy:
             n = len(drafts.tokens[i]) + 1
@@ -306,25 +308,39 @@ def verify(logits: torch.Tensor, drafts: Drafts) -> list[list[int]]:
             out.append([*draft[:a], picks[a]])
         else:
             rows = logits[drafts.rows[i] : drafts.rows[i] + len(draft) + 1]
-            out.append(_rejection_sample(probabilities(rows, seq.params), draft))
+            gen = rng if seq.generator is None else seq.generator
+            out.append(_rejection_sample(probabilities(rows, seq.params), draft, gen))
     return out
 
 
-def _rejection_sample(probs: torch.Tensor, draft: tuple[int, ...]) -> list[int]:
-    """probs: [k + 1, V], the target distribution at each position (the draft is a point mass)."""
+def _rejection_sample(probs: np.ndarray, draft: tuple[int, ...], rng: np.random.Generator) -> list[int]:
+    """probs: [k + 1, V], the target distribution at each position (the draft is a point mass).
+    One uniform per draft token from ``rng``, then one categorical draw."""
     kept: list[int] = []
-    uniforms = torch.rand(len(draft), dtype=torch.float64).tolist()
+    uniforms = rng.random(len(draft)).tolist()
     for j, token in enumerate(draft):
         p = probs[j]
         if uniforms[j] < float(p[token]):
             kept.append(token)
             continue
-        residual = p.clone()
+        residual = p.astype(np.float64)
         residual[token] = 0.0
         if float(residual.sum()) <= 0.0:  # p was (numerically) all on the draft token
             kept.append(int(p.argmax()))
         else:
-            kept.append(int(torch.multinomial(residual, 1)))
+            kept.append(_categorical(residual, rng))
         return kept
-    kept.append(int(torch.multinomial(probs[len(draft)], 1)))
+    kept.append(_categorical(probs[len(draft)], rng))
     return kept
+
+
+def _categorical(weights: np.ndarray, rng: np.random.Generator) -> int:
+    """One index drawn with probability proportional to ``weights`` (non-negative, some
+    positive; as ``torch.multinomial(weights, 1)``): one uniform, an inverse-CDF lookup in
+    float64. A zero weight is never drawn: the lookup returns the first index whose cumulative
+    weight exceeds the uniform's, and a zero weight does not raise the sum."""
+    cdf = np.cumsum(weights, dtype=np.float64)
+    at = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    if at >= len(cdf):  # u * total rounded up to the total: the last positive weight
+        at = int(np.flatnonzero(weights > 0)[-1])
+    return at

@@ -122,7 +122,7 @@ class GroupLeader:
         # The batch is host arrays (numpy): every rank's model moves it to its own device.
         self._broadcast(("step", batch))
         try:
-            return self.model.forward(batch, k_caches, v_caches)
+            return self.model.forward(batch, k_caches, v_caches)  # enters inference mode itself
         except Exception as exc:
             # A failed collective, or any error that left this rank's collectives out of step
             # with the others': the group cannot go on (one worker fails only the step's
