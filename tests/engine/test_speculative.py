@@ -271,21 +271,21 @@ class Successor:
     def __init__(self, vocab: int = 64) -> None:
         self.info = ModelInfo(name="successor", architecture="Successor", num_layers=1,
                               num_kv_heads=1, head_dim=1, vocab_size=vocab, max_model_len=4096,
-                              dtype=torch.float64, eos_token_ids=(0,))
+                              dtype="float64", eos_token_ids=(0,))
         self.rows_per_step: list[int] = []
 
-    def forward(self, batch: ForwardBatch, k_caches, v_caches) -> torch.Tensor:
-        flat = k_caches[0].view(-1)
-        flat.index_copy_(0, batch.slot_mapping, batch.input_ids.to(torch.float64))
+    def forward(self, batch: ForwardBatch, k_caches, v_caches) -> np.ndarray:
+        flat = k_caches[0].reshape(-1)  # a view: the pool is contiguous
+        flat[batch.slot_mapping] = batch.input_ids
         rows = batch.logits_indices
         page_size = k_caches[0].shape[1]
-        seq_of_row = torch.searchsorted(batch.query_start_loc, rows, right=True) - 1
+        seq_of_row = np.searchsorted(batch.query_start_loc, rows, side="right") - 1
         pos = batch.positions[rows]
         slots = batch.page_table[seq_of_row, pos // page_size] * page_size + pos % page_size
-        last = flat[slots].to(torch.int64)
+        last = flat[slots].astype(np.int64)
         self.rows_per_step.append(len(rows))
-        logits = torch.zeros(len(rows), self.info.vocab_size)
-        logits[torch.arange(len(rows)), (last + 1) % self.info.vocab_size] = 1.0
+        logits = np.zeros((len(rows), self.info.vocab_size), dtype=np.float32)
+        logits[np.arange(len(rows)), (last + 1) % self.info.vocab_size] = 1.0
         return logits
 
 
@@ -437,28 +437,28 @@ def test_exact_verify_rows_are_bitwise_the_one_token_steps_on_the_default_model(
     assert rows >= SPEC["speculative_tokens"] + 1
     info = model.info
     page_size, pages, start = 16, 8, 60
-    g = torch.Generator().manual_seed(3)
+    g = np.random.default_rng(3)
     shape = (pages, page_size, info.num_kv_heads, info.head_dim)
-    k = [torch.randn(shape, generator=g) for _ in range(info.num_layers)]
-    v = [torch.randn(shape, generator=g) for _ in range(info.num_layers)]
-    table = torch.randperm(pages, generator=g)
-    ids = torch.randint(0, info.vocab_size, (rows,), generator=g)
-    pos = start + torch.arange(rows)
+    k = [g.standard_normal(shape, dtype=np.float32) for _ in range(info.num_layers)]
+    v = [g.standard_normal(shape, dtype=np.float32) for _ in range(info.num_layers)]
+    table = g.permutation(pages).astype(np.int64)
+    ids = g.integers(0, info.vocab_size, rows, dtype=np.int64)
+    pos = start + np.arange(rows, dtype=np.int64)
     slots = table[pos // page_size] * page_size + pos % page_size
 
-    def step(sel: list[int], k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]):
+    def step(sel: list[int], k_cache: list[np.ndarray], v_cache: list[np.ndarray]) -> np.ndarray:
         n = len(sel)
         batch = ForwardBatch(
             input_ids=ids[sel], positions=pos[sel], slot_mapping=slots[sel],
-            page_table=table.expand(n, -1).contiguous(), seq_lens=pos[sel] + 1,
-            query_start_loc=torch.arange(n + 1), num_decodes=n, logits_indices=torch.arange(n),
-            max_query_len=1, max_seq_len=int(pos[sel].max()) + 1)
-        return model.forward(batch, k_cache, v_cache)
+            page_table=np.ascontiguousarray(np.broadcast_to(table, (n, pages))),
+            seq_lens=pos[sel] + 1, query_start_loc=np.arange(n + 1), num_decodes=n,
+            logits_indices=np.arange(n), max_query_len=1, max_seq_len=int(pos[sel].max()) + 1)
+        return np.asarray(model.forward(batch, k_cache, v_cache))
 
-    verify_rows = step(list(range(rows)), [c.clone() for c in k], [c.clone() for c in v])
-    k1, v1 = [c.clone() for c in k], [c.clone() for c in v]
-    one_at_a_time = torch.cat([step([i], k1, v1) for i in range(rows)])
-    assert torch.equal(verify_rows, one_at_a_time)
+    verify_rows = step(list(range(rows)), [c.copy() for c in k], [c.copy() for c in v])
+    k1, v1 = [c.copy() for c in k], [c.copy() for c in v]
+    one_at_a_time = np.concatenate([step([i], k1, v1) for i in range(rows)])
+    assert np.array_equal(verify_rows, one_at_a_time)
 
 
 def test_sampled_speculation_runs_to_the_end_with_its_pages_back(tiny_checkpoint) -> None:
@@ -558,10 +558,10 @@ DRAFT = dict(SPEC, speculative="draft")
 class WrongSuccessor(Successor):
     """A draft for :class:`Successor` that guesses wrong at every position divisible by 3."""
 
-    def forward(self, batch: ForwardBatch, k_caches, v_caches) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, k_caches, v_caches) -> np.ndarray:
         logits = super().forward(batch, k_caches, v_caches)
-        wrong = (batch.positions[batch.logits_indices] % 3 == 0).nonzero().flatten()
-        logits[wrong] = logits[wrong].roll(1, dims=-1)
+        wrong = np.flatnonzero(batch.positions[batch.logits_indices] % 3 == 0)
+        logits[wrong] = np.roll(logits[wrong], 1, axis=-1)
         return logits
 
 
@@ -705,28 +705,27 @@ class ByPosition:
     """Logits that depend only on a row's position (a fixed distribution per position), and a
     draft that always guesses token 2: the engine's sampled output can be checked against them."""
 
-    def __init__(self, logits: torch.Tensor | None = None) -> None:
+    def __init__(self, logits: np.ndarray | None = None) -> None:
         vocab = 8
         self.info = ModelInfo(name="by-position", architecture="ByPosition", num_layers=1,
                               num_kv_heads=1, head_dim=1, vocab_size=vocab, max_model_len=64,
-                              dtype=torch.float32, eos_token_ids=(0,))
+                              dtype="float32", eos_token_ids=(0,))
         self.logits = logits
 
-    def forward(self, batch: ForwardBatch, k_caches, v_caches) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, k_caches, v_caches) -> np.ndarray:
         pos = batch.positions[batch.logits_indices]
         if self.logits is None:  # the draft
-            out = torch.zeros(len(pos), self.info.vocab_size)
+            out = np.zeros((len(pos), self.info.vocab_size), dtype=np.float32)
             out[:, 2] = 1.0
             return out
-        return self.logits[pos.clamp(max=len(self.logits) - 1)]
+        return self.logits[np.minimum(pos, len(self.logits) - 1)]
 
 
 def test_sampling_with_a_draft_model_keeps_the_distribution_at_temperature_1() -> None:
     """Token 2 of each request comes from a verify row (the draft guessed 2) and token 3 from
     the verify's bonus row or the next step: each is distributed as the model's row at its
     position, whatever the draft guessed (chi-square, P = 0.001)."""
-    torch.manual_seed(1)
-    logits = torch.randn(4, 8) * 1.5
+    logits = (np.random.default_rng(1).standard_normal((4, 8)) * 1.5).astype(np.float32)
     logits[:, 0] = -30.0  # no EOS
     logits[1, 2] = 1.0  # the draft's guess is kept sometimes, not always
     model = ByPosition(logits)
@@ -740,7 +739,7 @@ def test_sampling_with_a_draft_model_keeps_the_distribution_at_temperature_1() -
     got = run(engine, {i: ([5], params) for i in range(n)})
     stats = engine.statistics()
     assert 0 < stats.spec_accepted < stats.spec_proposed
-    p = probabilities(logits.numpy(), params)
+    p = probabilities(logits.copy(), params)
     second = [0] * 8
     third = [0] * 8
     for toks in got.values():

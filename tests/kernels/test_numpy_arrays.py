@@ -304,3 +304,22 @@ def test_the_kernels_run_without_torch() -> None:
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_a_single_row_page_table_of_any_stride_reads_as_its_row() -> None:
+    """numpy gives an axis of length 1 any stride: a page table row broadcast and then made
+    contiguous has row stride 0, which the kernels would read as a table of no pages. A single
+    row's stride is its length, as torch reports it."""
+    kernels = cpu.require()
+    rng = np.random.default_rng(5)
+    pages, page_size, hkv, d = 4, 16, 2, 64
+    k = rng.standard_normal((pages, page_size, hkv, d), dtype=np.float32)
+    v = rng.standard_normal((pages, page_size, hkv, d), dtype=np.float32)
+    q = rng.standard_normal((1, 4, d), dtype=np.float32)
+    row = np.array([2, 0, 3, 1], dtype=np.int64)
+    broadcast = np.ascontiguousarray(np.broadcast_to(row, (1, pages)))
+    assert broadcast.strides[0] == 0  # what numpy does
+    lens = np.array([50], dtype=np.int64)
+    got = kernels.decode_attention(q, k, v, broadcast, lens, 0.125, 50, 1)
+    want = kernels.decode_attention(q, k, v, row[None].copy(), lens, 0.125, 50, 1)
+    assert np.array_equal(got, want)
