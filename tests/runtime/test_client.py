@@ -309,19 +309,20 @@ async def test_wait_sessions_done(autojump_clock) -> None:
         assert done and ae.num_sessions == 0
 
 
-def test_inference_mode_is_entered_in_the_worker_thread() -> None:
+def test_inference_mode_is_entered_in_the_worker_thread(tiny_checkpoint) -> None:
     """Trap 11: grad and inference mode are thread-local; the step runs in a worker thread, so
-    inference mode must be entered there, not relied on from the caller's thread: the models
-    enter it in their own forward (the model runner's sampling after it is numpy)."""
+    inference mode must be entered there, not relied on from the caller's thread: a torch model
+    enters it in its own forward (the model runner's sampling after it is numpy, and the CPU
+    kernels' model has no torch). Seen from inside the torch model's forward (a hook on its
+    final norm), in the worker thread, while the calling thread has grad on."""
+    from trio_infer.models.loader import load_model
+
+    model = load_model(tiny_checkpoint)  # a Hugging Face folder: the torch model
     seen = []
-
-    class Spy(FakeModel):
-        def _forward(self, batch, k_cache):
-            seen.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
-            return super()._forward(batch, k_cache)
-
-    engine = Engine(Spy(vocab_size=VOCAB), EngineConfig(page_size=4, num_pages=16, max_running=4,
-                                                        max_batched_tokens=8))
+    model.model.norm.register_forward_hook(
+        lambda *_: seen.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled())))
+    engine = Engine(model, EngineConfig(page_size=4, num_pages=16, max_running=4,
+                                        max_batched_tokens=8))
 
     async def main():
         async with trio.open_nursery() as n:
