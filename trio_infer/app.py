@@ -199,10 +199,21 @@ def settle_heap() -> None:
 
 
 def _innermost(exc: BaseException) -> str:
-    """The message of the one error inside nested exception groups (trio's nurseries wrap it)."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return str(exc) or type(exc).__name__
+    """The messages of the errors inside nested exception groups (trio's nurseries wrap them),
+    each cause said once: the tokenizer's load and the worker's can fail together for the same
+    reason (a missing model), the worker's message then wrapping the tokenizer's ("could not
+    load the model: <it>"), so a message that contains another is dropped."""
+    leaves: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop(0)
+        if isinstance(e, BaseExceptionGroup):
+            todo[:0] = list(e.exceptions)
+        else:
+            leaves.append(e)
+    messages = list(dict.fromkeys(str(e) or type(e).__name__ for e in leaves))
+    kept = [m for m in messages if not any(o != m and o in m for o in messages)]
+    return "; ".join(kept)
 
 
 async def _run_engine(

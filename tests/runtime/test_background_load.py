@@ -279,3 +279,19 @@ def test_a_port_in_use_stops_serve_in_one_line_and_reaps_its_worker(
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     [pid] = re.findall(r"batching worker started \(pid (\d+)\)", out.stderr)
     assert f"batching worker {pid} exited" in out.stderr and not alive(int(pid))
+
+
+def test_a_cause_reported_by_both_loads_is_said_once() -> None:
+    """The tokenizer's load and the worker's fail together for one missing model (which one
+    fails first is a race): the worker's message wraps the tokenizer's, and the reason logged
+    is the cause, once. Different causes are both said."""
+    from trio_infer.app import _innermost
+    from trio_infer.runtime.worker_link import WorkerStartError
+
+    cause = "model '/m' is neither a folder nor a hub id"
+    both = ExceptionGroup("loads", [WorkerStartError(f"could not load the model: {cause}"),
+                                    ExceptionGroup("inner", [ValueError(cause)])])
+    assert _innermost(both) == cause
+    assert _innermost(ExceptionGroup("one", [ValueError(cause)])) == cause
+    two = ExceptionGroup("loads", [ValueError("a"), OSError("b")])
+    assert _innermost(two) == "a; b"
