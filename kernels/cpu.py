@@ -383,13 +383,10 @@ def _ptr(a: Array | None) -> int | None:
 def _row_stride(a: Array) -> int:
     """The distance between rows (along the first axis), in elements. numpy gives an axis of
     length 1 any stride (0 for a row broadcast and then made contiguous), where the kernels read
-    a page table's row stride as its width: a single row's stride is its length, as torch
-    reports it."""
-    if not isinstance(a, np.ndarray):
-        return a.stride(0)
-    if a.shape[0] == 1:
+    a page table's row stride as its width: a single row's stride is its length."""
+    if a.shape[0] == 1:  # (a tensor made from such an array by torch.from_numpy keeps it)
         return math.prod(a.shape[1:]) if a.ndim > 1 else 1
-    return a.strides[0] // a.itemsize
+    return a.strides[0] // a.itemsize if isinstance(a, np.ndarray) else a.stride(0)
 
 
 def _empty(like: Array, *shape: int) -> Array:

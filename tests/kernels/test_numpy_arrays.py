@@ -323,3 +323,7 @@ def test_a_single_row_page_table_of_any_stride_reads_as_its_row() -> None:
     got = kernels.decode_attention(q, k, v, broadcast, lens, 0.125, 50, 1)
     want = kernels.decode_attention(q, k, v, row[None].copy(), lens, 0.125, 50, 1)
     assert np.array_equal(got, want)
+    # torch.from_numpy keeps the stride 0 (the torch model reads the engine's arrays so).
+    as_tensors = kernels.decode_attention(*(torch.from_numpy(a) for a in (q, k, v, broadcast,
+                                                                          lens)), 0.125, 50, 1)
+    assert np.array_equal(as_tensors.numpy(), want)
