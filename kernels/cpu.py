@@ -193,6 +193,11 @@ def waits_sleep_at_once() -> bool:
     return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
 
+def attention_shape_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Head shapes the C attention takes (it reads head_dim in vectors of 8)."""
+    return head_dim % 8 == 0 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 64
+
+
 def compute_path() -> tuple[str, str | None]:
     """Which kernels serve on the CPU, and what is missing where a slower path stands in:
     ``("cpu-kernels", None)`` or ``("torch-reference", why)``; :func:`kernels.ops.compute_path`
@@ -672,6 +677,18 @@ class DecoderWeights:
     final_norm: Array
     lm_head: Packed
     cos_sin: Array
+
+    def arrays(self) -> list[Array]:
+        """Every array besides the packed weights: the final norm, the rotary table, an fp32
+        embedding, each layer's norms and biases."""
+        out = [self.final_norm, self.cos_sin]
+        if not isinstance(self.embed, PackedWeight):
+            out.append(self.embed)
+        for layer in self.layers:
+            out += [a for a in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
+                                layer.qkv[1], layer.o[1], layer.gate_up[1], layer.down[1])
+                    if a is not None]
+        return out
 
 
 class DecodeStep:

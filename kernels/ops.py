@@ -56,11 +56,6 @@ def _cpu_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> CpuKernels | None:
     return cpu.load()
 
 
-def _cpu_attention_shape(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Head shapes the C decode attention takes (it reads head_dim in vectors of 8)."""
-    return head_dim % 8 == 0 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 64
-
-
 def _heads_contiguous(t: torch.Tensor) -> bool:
     """[T, H, D] with each token's heads packed (rows may be strided: views into a fused qkv)."""
     return (t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(2) == 1
@@ -176,7 +171,7 @@ def decode_attention(
             q, k_cache, v_cache, page_table, seq_lens, scale)
     kernels = _cpu_kv(k_cache, v_cache)
     if (kernels is not None and _heads_contiguous(q)
-            and _cpu_attention_shape(q.shape[1], k_cache.shape[2], q.shape[2])
+            and cpu.attention_shape_supported(q.shape[1], k_cache.shape[2], q.shape[2])
             and page_table.dtype == seq_lens.dtype == torch.int64
             and page_table.stride(1) == 1 and seq_lens.is_contiguous()):
         if max_seq_len is None:
@@ -205,7 +200,7 @@ def extend_attention(
         )
     kernels = _cpu_kv(k_cache, v_cache)
     if (kernels is not None and _heads_contiguous(q) and q.shape[0] > 0
-            and _cpu_attention_shape(q.shape[1], k_cache.shape[2], q.shape[2])
+            and cpu.attention_shape_supported(q.shape[1], k_cache.shape[2], q.shape[2])
             and page_table.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int64
             and page_table.stride(1) == 1 and seq_lens.is_contiguous()
             and query_start_loc.is_contiguous()):
@@ -279,15 +274,9 @@ def decode_step(weights: DecoderWeights, page_size: int,
     """The model's whole decode step as one C call (:class:`kernels.cpu.DecodeStep`), or None
     where it cannot run: no C kernels, a tensor that is not contiguous fp32 on the CPU, or a KV
     cache that is neither fp32 nor fp16."""
-    tensors = [weights.final_norm, weights.cos_sin]
-    if not isinstance(weights.embed, PackedWeight):
-        tensors.append(weights.embed)
-    for layer in weights.layers:
-        tensors += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
-                                layer.qkv[1], layer.o[1], layer.gate_up[1], layer.down[1])
-                    if t is not None]
-    kernels = _cpu(*tensors)
+    kernels = _cpu(*weights.arrays())
     if (kernels is None or kv_dtype not in (torch.float32, torch.float16)
-            or not _cpu_attention_shape(weights.num_heads, weights.num_kv_heads, weights.head_dim)):
+            or not cpu.attention_shape_supported(weights.num_heads, weights.num_kv_heads,
+                                                 weights.head_dim)):
         return None
     return kernels.decode_step(weights, page_size, kv_dtype)

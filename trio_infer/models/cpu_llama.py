@@ -38,27 +38,13 @@ from kernels.cpu import (
 )
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.models.base import ModelInfo
-from trio_infer.models.spec import LlamaSpec
+from trio_infer.models.spec import FUSED_PARTS, LlamaSpec
 from trio_infer.models.step_threads import StepThreads
 
-# Checkpoint projection -> (fused weight, index of its part), as models/llama.py fuses them.
-_FUSED_PARTS: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 _NUM_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
 # A layer's tensors by Hugging Face module path inside ``model.layers.N``.
 _LAYER_NORMS = {"input_layernorm", "post_attention_layernorm", "self_attn.q_norm",
                 "self_attn.k_norm"}
-
-
-def attention_shape_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Head shapes the C attention takes (it reads head_dim in vectors of 8); as
-    ``kernels.ops``'s check for the torch model."""
-    return head_dim % 8 == 0 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 64
 
 
 @dataclass
@@ -120,8 +106,8 @@ class CpuLlama:
             parent, _, proj = module.rpartition(".")
             if module in _LAYER_NORMS and attr == "weight":
                 layer.norms[module] = _f32(tensor, name)
-            elif proj in _FUSED_PARTS:
-                fused, part = _FUSED_PARTS[proj]
+            elif proj in FUSED_PARTS:
+                fused, part = FUSED_PARTS[proj]
                 key = f"{parent}.{fused}.{attr}"
                 layer.parts.setdefault(key, {})[part] = tensor
                 if len(layer.parts[key]) == _NUM_PARTS[fused]:
@@ -187,17 +173,6 @@ class CpuLlama:
 
     # -- what it holds (for the benches) -----------------------------------------------------
 
-    def _dense(self) -> list[np.ndarray]:
-        w = self._weights
-        out = [w.final_norm, w.cos_sin]
-        if not isinstance(w.embed, PackedWeight):
-            out.append(w.embed)
-        for layer in w.layers:
-            out += [a for a in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
-                                layer.qkv[1], layer.o[1], layer.gate_up[1], layer.down[1])
-                    if a is not None]
-        return out
-
     def packed_weights(self) -> dict[str, Packed]:
         """Module name (the torch model's: ``model.layers.0.self_attn.qkv_proj``,
         ``model.embed_tokens``, ``lm_head``) -> its packed weight, for every weight kept in
@@ -223,14 +198,14 @@ class CpuLlama:
         packed = self._step_bytes
         if isinstance(w.embed, PackedWeight) and w.embed is not w.lm_head:
             packed += w.embed.nbytes
-        return {"packed": packed, "dense": sum(a.nbytes for a in self._dense())}
+        return {"packed": packed, "dense": sum(a.nbytes for a in w.arrays())}
 
     def footprint(self) -> dict[str, int]:
         """What a decode step reads, for the profile's bounds: the linears' and the lm_head's
         bytes (the embedding is a lookup of one row a token) with the norms and biases, and the
         weight elements that take part in products."""
         w = self._weights
-        dense = [a for a in self._dense() if a is not w.cos_sin and a is not w.embed]
+        dense = [a for a in w.arrays() if a is not w.cos_sin and a is not w.embed]
         linears = [w.lm_head] + [lin[0] for layer in w.layers
                                  for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         return {"weight_bytes": self._step_bytes + sum(a.nbytes for a in dense),

@@ -53,6 +53,7 @@ from trio_infer.models.attention import paged_attention
 from trio_infer.models.base import ModelInfo
 from trio_infer.models.parallel import Collectives
 from trio_infer.models.spec import (  # noqa: F401 (re-exported)
+    FUSED_PARTS,
     STATIC_ROPE_TYPES,
     SUPPORTED_ARCHITECTURES,
     LlamaSpec,
@@ -62,14 +63,6 @@ from trio_infer.models.spec import (  # noqa: F401 (re-exported)
 )
 from trio_infer.models.step_threads import StepThreads
 
-# Checkpoint projection -> (fused parameter, index of its part in the fused output).
-_FUSED_PARTS: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 
 
 def build_cos_sin_cache(
@@ -542,8 +535,8 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: the embedding is the head
             module_name, _, attr = name.rpartition(".")
             parent, _, proj = module_name.rpartition(".")
-            if proj in _FUSED_PARTS:
-                fused, part = _FUSED_PARTS[proj]
+            if proj in FUSED_PARTS:
+                fused, part = FUSED_PARTS[proj]
                 fused_name = f"{parent}.{fused}"
                 if f"{fused_name}.{attr}" not in params:
                     raise ValueError(f"unexpected checkpoint tensor {name!r}")

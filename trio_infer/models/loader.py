@@ -124,8 +124,6 @@ def cpu_model_refusal(checkpoint: GGUFCheckpoint, dtype: object, device: str,
     and a rotary table computed without transformers."""
     from kernels import cpu
 
-    from trio_infer.models.cpu_llama import attention_shape_supported
-
     if device != "cpu":
         return f"the device is {device}"
     if dtype is not None and str(dtype).removeprefix("torch.") != "float32":
@@ -138,7 +136,7 @@ def cpu_model_refusal(checkpoint: GGUFCheckpoint, dtype: object, device: str,
     if kernels is None:
         return f"the CPU kernels are unavailable ({why})"
     spec = LlamaSpec.from_config(checkpoint.config, checkpoint.architecture)
-    if not attention_shape_supported(spec.num_heads, spec.num_kv_heads, spec.head_dim):
+    if not cpu.attention_shape_supported(spec.num_heads, spec.num_kv_heads, spec.head_dim):
         return (f"heads of {spec.head_dim} ({spec.num_heads} query, {spec.num_kv_heads} kv) "
                 "are not a shape the C attention takes")
     if default_inv_freq(rope_parameters(checkpoint.config), spec.head_dim) is None:
@@ -173,17 +171,9 @@ def _load_cpu_model(checkpoint: GGUFCheckpoint, served_name: str | None, activat
     assert kernels is not None  # cpu_model_refusal checked
     spec = LlamaSpec.from_config(checkpoint.config, checkpoint.architecture)
     packed = packed_modules(checkpoint.tensor_formats(), spec.tie_word_embeddings)
-    info = ModelInfo(
-        name=served_name or default_served_name(checkpoint.path),
-        architecture=checkpoint.architecture,
-        num_layers=spec.num_layers,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        vocab_size=spec.vocab_size,
-        max_model_len=spec.max_position_embeddings,
-        dtype="float32",
-        eos_token_ids=checkpoint.eos_token_ids,
-    )
+    info = _model_info(served_name or default_served_name(checkpoint.path),
+                       checkpoint.architecture, spec, spec.num_kv_heads, "float32",
+                       checkpoint.eos_token_ids)
     inv_freq = default_inv_freq(rope_parameters(checkpoint.config), spec.head_dim)
     assert inv_freq is not None  # cpu_model_refusal checked
     cos_sin = cos_sin_table(inv_freq, spec.max_position_embeddings,
@@ -194,6 +184,14 @@ def _load_cpu_model(checkpoint: GGUFCheckpoint, served_name: str | None, activat
                           activations, threads or cpu.default_threads())
     release_freed_memory()
     return model
+
+
+def _model_info(name: str, architecture: str, spec: LlamaSpec, num_kv_heads: int, dtype: str,
+                eos_token_ids: tuple[int, ...]) -> ModelInfo:
+    return ModelInfo(name=name, architecture=architecture, num_layers=spec.num_layers,
+                     num_kv_heads=num_kv_heads, head_dim=spec.head_dim,
+                     vocab_size=spec.vocab_size, max_model_len=spec.max_position_embeddings,
+                     dtype=dtype, eos_token_ids=eos_token_ids)
 
 
 def _kept_weights(packed: dict[str, str | tuple[str, ...]]) -> set[str]:
@@ -267,19 +265,10 @@ def _load_torch_model(
                           shard=parallel.plan if parallel is not None else None)
     elif parallel is not None:
         weights = partial(_sharded, weights, parallel.plan)
-    info = ModelInfo(
-        name=served_name or default_served_name(path),
-        architecture=architecture,
-        num_layers=spec.num_layers,
-        # Each rank's KV cache holds its own heads only.
-        num_kv_heads=spec.num_kv_heads if parallel is None else parallel.plan.local_spec(
-            spec).num_kv_heads,
-        head_dim=spec.head_dim,
-        vocab_size=spec.vocab_size,
-        max_model_len=spec.max_position_embeddings,
-        dtype=str(dtype).removeprefix("torch."),
-        eos_token_ids=eos_ids,
-    )
+    # Each rank's KV cache holds its own heads only.
+    kv_heads = spec.num_kv_heads if parallel is None else parallel.plan.local_spec(spec).num_kv_heads
+    info = _model_info(served_name or default_served_name(path), architecture, spec, kv_heads,
+                       str(dtype).removeprefix("torch."), eos_ids)
     cos_sin_cache = build_cos_sin_cache(
         config, spec.head_dim, spec.max_position_embeddings, device, freq_factors
     )

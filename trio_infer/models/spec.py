@@ -15,6 +15,16 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
 )
 
+# Checkpoint projection -> (fused weight, index of its part in the fused output): both models
+# fuse q/k/v and gate/up into one weight each (two products fewer per layer).
+FUSED_PARTS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
 # Rotary variants whose frequencies do not depend on the sequence length, so one cos/sin table
 # computed at load time is exact. "dynamic" and "longrope" change with the context length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
