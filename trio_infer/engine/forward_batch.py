@@ -56,10 +56,9 @@ class ForwardBatch:
 
         return dataclasses.replace(self, **{
             f.name: convert(getattr(self, f.name)) for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), np.ndarray)
-            or type(getattr(self, f.name)).__module__.startswith("torch")})
+            if hasattr(getattr(self, f.name), "shape")})  # the arrays, not the ints
 
 
 def int64(values: Any) -> np.ndarray:
-    """``values`` (a list or an ``array('q')``) as a numpy int64 array."""
+    """``values`` (a list, a range, an ``array('q')``) as a numpy int64 array."""
     return np.asarray(values, dtype=np.int64)
