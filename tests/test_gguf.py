@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trio_infer.engine.engine import Engine, EngineConfig
-from trio_infer.engine.forward_batch import ForwardBatch, int64
+from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.wire import SamplingParams
 from trio_infer.models.default_model import (
     DEFAULT_MODEL_NAME,
@@ -59,6 +59,11 @@ from trio_infer.models.synthetic import CHAT_TEMPLATE, IM_END_ID
 from tests.kernels.blocks import random_blocks
 
 gguf = pytest.importorskip("gguf")
+
+
+def int64(values: Any) -> np.ndarray:
+    """``values`` (a list, a range, a list of ranges) as a numpy int64 array."""
+    return np.asarray(values, dtype=np.int64)
 
 CheckpointFactory = Any  # the conftest fixture tiny_checkpoint_factory
 

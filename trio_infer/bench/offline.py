@@ -353,9 +353,8 @@ def run_tensor_parallel(path: Path, args: argparse.Namespace, workload: list, th
         for system in order:
             engine, n = engines[system]
             torch.set_num_threads(n)
-            for model in (engine.model, getattr(engine.model, "model", None)):
-                if hasattr(model, "threads"):  # the CPU kernels' model: its own count
-                    model.threads = n
+            if hasattr(engine.model, "threads"):  # the CPU kernels' model: its own count
+                engine.model.threads = n
             if engine is one:
                 one.model.fused_decode = system == "one-worker"
             before = loadavg()

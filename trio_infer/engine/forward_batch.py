@@ -58,7 +58,3 @@ class ForwardBatch:
             f.name: convert(getattr(self, f.name)) for f in dataclasses.fields(self)
             if hasattr(getattr(self, f.name), "shape")})  # the arrays, not the ints
 
-
-def int64(values: Any) -> np.ndarray:
-    """``values`` (a list, a range, an ``array('q')``) as a numpy int64 array."""
-    return np.asarray(values, dtype=np.int64)

@@ -102,8 +102,8 @@ def load_model(
     if backend not in ("auto", "torch", "cpu"):
         raise ValueError(f"backend {backend!r}: one of auto, torch, cpu")
     gguf_file = find_gguf(Path(path))
-    if gguf_file is not None and backend != "torch":
-        checkpoint = GGUFCheckpoint.open(gguf_file)
+    checkpoint = None if gguf_file is None else GGUFCheckpoint.open(gguf_file)
+    if checkpoint is not None and backend != "torch":
         why = cpu_model_refusal(checkpoint, dtype, str(device), keep_blocks, shard)
         if why is None:
             return _load_cpu_model(checkpoint, served_name, activations, threads)
@@ -112,8 +112,8 @@ def load_model(
         if str(device) == "cpu" and keep_blocks is not False:
             log.info("%s: served by the torch model, not the CPU kernels' numpy model: %s",
                      gguf_file.name, why)
-    return _load_torch_model(Path(path), dtype, device, served_name, keep_blocks, activations,
-                             shard, group)
+    return _load_torch_model(Path(path), checkpoint, dtype, device, served_name, keep_blocks,
+                             activations, shard, group)
 
 
 def cpu_model_refusal(checkpoint: GGUFCheckpoint, dtype: object, device: str,
@@ -206,6 +206,7 @@ def _kept_weights(packed: dict[str, str | tuple[str, ...]]) -> set[str]:
 
 def _load_torch_model(
     path: Path,
+    checkpoint: GGUFCheckpoint | None,
     dtype: torch.dtype | str | None,
     device: str | torch.device,
     served_name: str | None,
@@ -214,7 +215,8 @@ def _load_torch_model(
     shard: tuple[int, int] | None,
     group: object,
 ) -> CausalLM:
-    """:func:`load_model` for the torch model (models/llama.py)."""
+    """:func:`load_model` for the torch model (models/llama.py); ``checkpoint``: the GGUF file
+    at ``path``, already opened, or None for a Hugging Face folder."""
     import torch
 
     from trio_infer.models.llama import LlamaForCausalLM, build_cos_sin_cache
@@ -225,12 +227,10 @@ def _load_torch_model(
         dtype = getattr(torch, dtype)
     if dtype is None:
         dtype = default_dtype(device)
-    gguf_file = find_gguf(path)
     freq_factors: torch.Tensor | None = None
     weights: Callable[[str], Iterator[tuple[str, torch.Tensor]]]
-    if gguf_file is not None:
-        path = gguf_file
-        checkpoint = GGUFCheckpoint.open(gguf_file)
+    if checkpoint is not None:
+        path = checkpoint.path
         architecture, config = checkpoint.architecture, checkpoint.config
         eos_ids = checkpoint.eos_token_ids
         if checkpoint.rope_freq_factors is not None:
@@ -251,7 +251,7 @@ def _load_torch_model(
         weights = partial(_iter_safetensors, path)
     spec = LlamaSpec.from_config(config, architecture)
     packed: dict[str, str | tuple[str, ...]] = {}
-    if gguf_file is not None:
+    if checkpoint is not None:
         if keep_blocks:
             packed = packed_modules(checkpoint.tensor_formats(), spec.tie_word_embeddings)
         kept = _kept_weights(packed)
@@ -260,7 +260,7 @@ def _load_torch_model(
     parallel = None
     if shard is not None:
         parallel = Collectives(ShardPlan.build(spec, shard[0], shard[1], packed), group)
-    if gguf_file is not None:
+    if checkpoint is not None:
         weights = partial(checkpoint.iter_weights, keep=kept,
                           shard=parallel.plan if parallel is not None else None)
     elif parallel is not None:
