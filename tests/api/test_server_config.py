@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from trio.testing import MockClock
 
 from hypercorn.config import Config
@@ -363,3 +365,87 @@ def test_cancel_on_close_of_a_closed_stream_cancels_at_once_and_of_another_serve
         assert not other.cancel_called
 
     trio.run(main)
+
+
+# -- change 12: h11's header validation kept for the same headers -------------------------------
+
+# Pairs from a small pool (so that lists share pairs and prefixes, as responses do) or drawn
+# freely (valid and invalid names and values alike).
+_HEADER_PAIR = st.one_of(
+    st.sampled_from([(b"content-type", b"text/event-stream"), (b"Content-Length", b"12"),
+                     (b"content-length", b"13"), (b"transfer-encoding", b"chunked"),
+                     (b"transfer-encoding", b"gzip"), ("date", "Sat"), (b"a b", b"x"),
+                     (b"x", b"a\r\nb"), (b"x", "\u00e9")]),
+    st.tuples(st.binary(max_size=8), st.binary(max_size=8)),
+)
+
+
+def _outcome(validate: Any, headers: Any) -> tuple[str, Any]:
+    import h11
+
+    try:
+        return "ok", list(validate(headers))
+    except (h11.LocalProtocolError, TypeError, UnicodeError) as exc:
+        return type(exc).__name__, str(exc)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.lists(_HEADER_PAIR, max_size=4), min_size=1, max_size=6),
+       st.lists(st.integers(0, 5), max_size=12), st.integers(1, 4))
+def test_the_header_memo_gives_what_h11_gives_every_time(
+    lists: list[list[Any]], order: list[int], limit: int,
+) -> None:
+    import h11._headers as h11_headers
+
+    original = _h11_validate()
+    memo = server._HeaderMemo(original, h11_headers.Headers, limit=limit)
+    # Every list, then some again in any order, through one memo: each answer is h11's own.
+    for i in [*range(len(lists)), *(k % len(lists) for k in order)]:
+        assert _outcome(memo, list(lists[i])) == _outcome(original, list(lists[i]))
+        if _outcome(original, list(lists[i]))[0] == "ok":  # a parsed Headers, as h11 passes back
+            parsed = original(list(lists[i]))
+            assert _outcome(memo, parsed) == _outcome(original, parsed)
+        assert len(memo._seen) <= limit  # bounded: forgotten, never grown past it
+
+
+def test_the_header_memo_passes_through_what_it_cannot_key() -> None:
+    import h11._headers as h11_headers
+
+    calls: list[Any] = []
+
+    def validate(headers: Any, _parsed: bool = False) -> Any:
+        calls.append(headers)
+        return h11_headers.Headers([])
+
+    memo = server._HeaderMemo(validate, h11_headers.Headers)
+    memo([[b"a", b"b"]])  # a list for a pair: unhashable
+    memo([(b"a", bytearray(b"b"))])
+    memo([(b"a", b"b")], True)  # the parser's own headers are never kept
+    memo([(b"a", b"b")], True)
+    memo([(b"a", b"b")])
+    memo([(b"a", b"b")])  # kept from the call before
+    assert len(calls) == 5
+
+
+def _h11_validate() -> Any:
+    """h11's own ``normalize_and_validate``, whether or not ``install`` replaced it."""
+    import h11._headers as h11_headers
+
+    found = h11_headers.normalize_and_validate
+    return found._validate if isinstance(found, server._HeaderMemo) else found
+
+
+# -- change 13: an ASGI message already there is taken without a schedule point ------------------
+
+async def test_received_takes_a_waiting_message_and_says_none_otherwise() -> None:
+    send, receive = trio.open_memory_channel[dict[str, Any]](2)
+    assert server.received(receive.receive) is None  # nothing there yet
+    send.send_nowait({"type": "http.request"})
+    assert server.received(receive.receive) == {"type": "http.request"}
+
+    async def elsewhere() -> dict[str, Any]:  # another server's receive: always awaited
+        return {"type": "http.request"}
+
+    assert server.received(elsewhere) is None
+    await send.aclose()
+    assert server.received(receive.receive) is None  # the end: awaiting receive() raises it

@@ -54,7 +54,7 @@ from trio_infer.api.protocol import (
 )
 from trio_infer.api.respond import TIMEOUT_HEADER, complete, open_stream, request_timeout
 from trio_infer.api.state import ServerState
-from trio_infer.server import body_writer, cancel_on_close
+from trio_infer.server import body_writer, cancel_on_close, received
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -116,7 +116,7 @@ async def _read_body(receive: Receive, declared: str | None, limit: int,
     size = 0
     with trio.move_on_after(timeout_s if timeout_s is not None else float("inf")) as waited:
         while True:
-            message = await receive()
+            message = received(receive) or await receive()  # (server.py, change 13)
             if message["type"] == "http.disconnect":
                 return None
             if message["type"] != "http.request":
