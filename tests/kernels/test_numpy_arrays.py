@@ -306,6 +306,9 @@ def test_the_kernels_run_without_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+# The broadcast row is read-only (numpy's broadcast views are); torch warns when it wraps one.
+# The kernels only read it.
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 def test_a_single_row_page_table_of_any_stride_reads_as_its_row() -> None:
     """numpy gives an axis of length 1 any stride: a page table row broadcast and then made
     contiguous has row stride 0, which the kernels would read as a table of no pages. A single
