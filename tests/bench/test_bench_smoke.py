@@ -221,6 +221,26 @@ def test_serve_counts_errors(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "e.json").read_text())["errors"] == 2
 
 
+def test_burst_pairs_two_servers_round_by_round(tmp_path: Path) -> None:
+    """Two of our servers (the same command) up at once, each sent every round's burst: every
+    stream answered, and the ratios are the per-round ones."""
+    out = tmp_path / "burst.json"
+    twin = " ".join([sys.executable, "-m", "trio_infer", "serve", "--model", "fake",
+                     "--host", "127.0.0.1", "--port", "{port}"])
+    text = bench("burst", "--step-ms", "0", "--requests", "4", "--rounds", "3", "--pause-s", "0",
+                 "--compare", f"twin={twin}", "--output-json", str(out), timeout=180)
+    assert "CPU us/req" in text and "twin" in text
+    data = json.loads(out.read_text())
+    assert len(data["rounds"]) == 3
+    for figures in data["rounds"]:
+        assert set(figures) == {"ours", "twin"}
+        for f in figures.values():
+            assert f["requests"] == 4 and f["errors"] == 0 and f["cpu_us_per_request"] > 0
+    cpu = data["ratios"]["twin"]["cpu_us_per_request"]
+    assert cpu["rounds"] == [r["ours"]["cpu_us_per_request"] / r["twin"]["cpu_us_per_request"]
+                             for r in data["rounds"]]
+
+
 def test_frontend(tmp_path: Path) -> None:
     out = tmp_path / "frontend.json"
     text = bench("frontend", "--step-ms", "5", "--concurrency", "1,4", "--output-len", "8",

@@ -24,14 +24,14 @@ needs_proc = pytest.mark.skipif(not procstat.available(), reason="needs Linux /p
 
 
 def test_compare_spec() -> None:
-    assert frontend._compare_spec("anchor=cd x && run --port {port}") == (
+    assert frontend.compare_spec("anchor=cd x && run --port {port}") == (
         "anchor", "cd x && run --port {port}")
     # Only the first '=' splits: the command may hold more.
-    assert frontend._compare_spec("a=A=1 run {port}") == ("a", "A=1 run {port}")
+    assert frontend.compare_spec("a=A=1 run {port}") == ("a", "A=1 run {port}")
     for bad in ("no-equals {port}", "=run {port}", "a=", "a=run", "ours=run {port}",
                 "sp ace=run {port}"):
         with pytest.raises(argparse.ArgumentTypeError):
-            frontend._compare_spec(bad)
+            frontend.compare_spec(bad)
 
 
 def _args(**kw: object) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""``python -m trio_infer.bench {offline,serve,overload,startup,frontend,constrained,memory,dp,llama-server}``"""
+"""``python -m trio_infer.bench {offline,serve,overload,startup,frontend,burst,constrained,memory,dp,llama-server}``"""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from trio_infer.bench import (
+    burst,
     constrained,
     data_parallel,
     frontend,
@@ -27,6 +28,8 @@ COMMANDS = {
     "startup": (startup, "seconds to the first /health answer and to healthy: serve, bare "
                          "hypercorn, llama-server"),
     "frontend": (frontend, "our HTTP stack alone, over a fake model"),
+    "burst": (burst, "the same bursts to several servers at once: CPU a request and TTFT, "
+                     "paired round by round"),
     "constrained": (constrained, "constrained decoding (json_schema) vs unconstrained"),
     "memory": (memory, "peak RSS of a worker vs llama.cpp on the same GGUF file"),
     "dp": (data_parallel, "--data-parallel N (affinity and round robin) vs one worker with the "

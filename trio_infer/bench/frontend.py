@@ -63,7 +63,7 @@ from trio_infer.bench.servers import (  # noqa: F401  (re-exported: the tests us
 )
 
 
-def _compare_spec(text: str) -> tuple[str, str]:
+def compare_spec(text: str) -> tuple[str, str]:
     name, sep, cmd = text.partition("=")
     name = name.strip()
     if not sep or not name or not cmd.strip():
@@ -76,7 +76,7 @@ def _compare_spec(text: str) -> tuple[str, str]:
     return name, cmd
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -105,11 +105,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launcher", choices=("cli", "hypercorn"), default=None,
                    help="start the server as `python -m trio_infer serve` (cli, the default when "
                    "it exists) or as `hypercorn trio_infer.app:app --worker-class trio`")
-    p.add_argument("--compare", type=_compare_spec, action="append", default=[],
+    p.add_argument("--compare", type=compare_spec, action="append", default=[],
                    metavar="NAME=CMD",
                    help="also measure another server, started by the shell command CMD with {port} "
                    "substituted (repeatable); see docs/benchmarks.md")
-    p.add_argument("--repeats", type=_positive_int, default=1, metavar="K",
+    p.add_argument("--repeats", type=positive_int, default=1, metavar="K",
                    help="interleaved repetitions (each system runs every level once per "
                    "repetition); figures are medians over the K repetitions")
     p.add_argument("--endpoint", choices=("auto", "completions", "chat"), default="auto",
