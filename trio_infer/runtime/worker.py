@@ -439,7 +439,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (BrokenPipeError, ConnectionResetError):
         return 0  # the front end left mid-load
     except Exception as exc:
-        log.exception("the worker could not load the model")
+        if isinstance(exc, _SAYS_WHY):  # a model that is not there: its message is the reason
+            log.error("the worker could not load the model: %s", exc)
+        else:  # anything else may be a bug: its traceback too
+            log.exception("the worker could not load the model")
         sock.sendall(encode([Fatal(f"could not load the model: {exc}")]))
         return 1
     loaded.set()
@@ -463,6 +466,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         gc.unfreeze()  # collectable again at exit: extension modules check that they were freed
     return 0
+
+
+# Load errors whose message says all there is to say (a path that does not exist or cannot be
+# read: ``models/paths.py`` names the model and what to do): logged as one line, as the front end
+# logs the same reason when its tokenizer's load finds it first.
+_SAYS_WHY = (FileNotFoundError, NotADirectoryError, PermissionError)
 
 
 if __name__ == "__main__":
