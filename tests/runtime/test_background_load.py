@@ -281,6 +281,25 @@ def test_a_port_in_use_stops_serve_in_one_line_and_reaps_its_worker(
     assert f"batching worker {pid} exited" in out.stderr and not alive(int(pid))
 
 
+async def test_the_worker_reports_a_missing_model_in_the_words_of_the_tokenizers_load(
+    tmp_path: Path,
+) -> None:
+    """Which of the two loads finds a missing model first is a race; the worker's report (when it
+    is first, the only one) is the path's own one-line reason, word for word what the tokenizer's
+    load raises, so the server says the same thing either way."""
+    from trio_infer.app import _innermost
+    from trio_infer.models.paths import resolve_model_path
+    from trio_infer.runtime.client import open_engine
+
+    settings = Settings(model=str(tmp_path / "missing"), cache_dir=tmp_path)
+    with pytest.raises(FileNotFoundError) as direct:
+        resolve_model_path(settings.model, settings.cache_dir)
+    with pytest.raises(BaseException) as reported:
+        async with open_engine(settings):
+            pass
+    assert _innermost(reported.value) == str(direct.value)
+
+
 def test_a_cause_reported_by_both_loads_is_said_once() -> None:
     """The tokenizer's load and the worker's fail together for one missing model (which one
     fails first is a race): the worker's message wraps the tokenizer's, and the reason logged

@@ -441,9 +441,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if isinstance(exc, _SAYS_WHY):  # a model that is not there: its message is the reason
             log.error("the worker could not load the model: %s", exc)
+            reason = str(exc)
         else:  # anything else may be a bug: its traceback too
             log.exception("the worker could not load the model")
-        sock.sendall(encode([Fatal(f"could not load the model: {exc}")]))
+            reason = f"could not load the model: {exc}"
+        sock.sendall(encode([Fatal(reason)]))
         return 1
     loaded.set()
     # What is loaded now (torch, the model's modules, the tokenizer) lives as long as the process:
@@ -469,8 +471,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # Load errors whose message says all there is to say (a path that does not exist or cannot be
-# read: ``models/paths.py`` names the model and what to do): logged as one line, as the front end
-# logs the same reason when its tokenizer's load finds it first.
+# read: ``models/paths.py`` names the model and what to do): logged as one line and sent as it is,
+# so that the front end reports the same reason in the same words whichever of its tokenizer's
+# load and this one finds it first (they race).
 _SAYS_WHY = (FileNotFoundError, NotADirectoryError, PermissionError)
 
 
