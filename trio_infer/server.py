@@ -80,12 +80,12 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
    writes (three syscalls, each through the layers of change 4) for a JSON response, two before
    a stream's first chunk and two for its last chunk and its end. When the app marks the
    request's scope with ``sse.NEXT_SEND_FOLLOWS`` right before a send (the routes do before a
-   start whose first body message is ready, and before a stream's last chunk), what hypercorn
+   JSON answer's start, before a stream's start, whose headers go out with its first output:
+   ``respond.open_stream`` says why, and before a stream's last chunk), what hypercorn
    writes for that send is held (the connection is *corked*) until it has handled the next send,
    and goes out with it in one write; anything the connection sends that is not bytes (the
    idle timer, a close) writes what is held first. Without the mark everything is written at
-   once, as hypercorn does: a stream whose first chunk waits for the model must not keep its
-   status from the client. An empty write is never made. Same bytes, same order, same lock,
+   once, as hypercorn does. An empty write is never made. Same bytes, same order, same lock,
    under any configuration.
 
 6. **One idle timer per connection, moved rather than restarted.** hypercorn's idle timer

@@ -1,9 +1,9 @@
 """server.py's change 5, seen at the socket: a response's headers go out with its first body
-message when the route marks that the two follow each other (a JSON answer, a chat stream whose
-first chunk is ready), a stream's last chunk with the end of the body, and no write is empty;
-a stream whose first chunk waits for the model still gets its headers at once. Every response
-is still valid HTTP/1.1 that an h11 client parses whole. Under hypercorn's own ``Config`` (the
-bare command), which gets the change from the app's startup as ``serve`` does."""
+message when the route marks that the two follow each other (a JSON answer; a stream, whose
+status goes with its first output), a stream's last chunk with the end of the body, and no
+write is empty. Every response is still valid HTTP/1.1 that an h11 client parses whole. Under
+hypercorn's own ``Config`` (the bare command), which gets the change from the app's startup as
+``serve`` does."""
 
 from __future__ import annotations
 
@@ -68,7 +68,9 @@ async def test_a_chat_stream_starts_and_ends_in_one_write_each(app, monkeypatch)
         "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
         "stream": True, "stream_options": {"include_usage": True}}, monkeypatch)
     assert type(events[0]) is h11.Response and events[0].status_code == 200
+    # The headers, the role chunk and the first token's text: one write.
     assert writes[0].startswith(b"HTTP/1.1 200") and b'"role":"assistant"' in writes[0]
+    assert writes[0].count(b"data: {") >= 2
     assert writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and b'"usage":{' in writes[-1]
     assert all(writes)
     text = body_text(events)
@@ -85,12 +87,13 @@ async def test_a_json_answer_is_one_write(app, monkeypatch) -> None:
     assert json.loads(body_text(events))["usage"]["completion_tokens"] == 3
 
 
-async def test_a_stream_whose_first_chunk_waits_gets_its_headers_at_once(app, monkeypatch) -> None:
-    """Completions have nothing to say before the first token: the headers are not held for it."""
+async def test_a_completions_streams_headers_go_out_with_its_first_text(app, monkeypatch) -> None:
+    """Completions have nothing to say before the first token: the headers wait for it (as
+    llama-server's status does), not a write of their own."""
     writes, events = await exchange(app, "/v1/completions", {
         "model": "fake", "prompt": "hi", "max_tokens": 2, "stream": True}, monkeypatch)
-    assert writes[0].startswith(b"HTTP/1.1 200") and writes[0].endswith(b"\r\n\r\n")
-    assert b"data:" not in writes[0]
+    assert writes[0].startswith(b"HTTP/1.1 200") and b'data: {' in writes[0]
+    assert b'"text":"' in writes[0]
     assert writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and all(writes)
     assert body_text(events).endswith("data: [DONE]\n\n")
 

@@ -98,6 +98,16 @@ async def open_stream(state: ServerState, plan: Plan, scope: dict[str, Any],
     unsent (a client gone right then), trio's finalizer of unfinished async generators closes
     it, and the session with it.
 
+    Without a queue-time limit the status is decided (200: the request was admitted) but goes
+    out with the stream's first output, not before: the opening chunk (chat's role, the other
+    APIs' start events) is held and joins the first chunk the model gives, and the headers
+    wait for both (the scope is marked, ``sse.NEXT_SEND_FOLLOWS``, so server.py's change 5
+    writes them in one write). llama-server, too, sends its status with the first output. Why:
+    one write a stream before its first token instead of two; in a
+    burst of new streams each of those writes is work the front end does before it reads the
+    next request (a burst's first tokens came 4-7% sooner: docs/benchmarks.md, the fourteenth
+    stop). An error before the first output is still an event after the status, as before.
+
     ``scope`` is the request's ASGI scope: the body marks it (``sse.NEXT_SEND_FOLLOWS``) where
     the next send follows at once (server.py, change 5)."""
     state.engine.check_admission(plan.num_choices, _queued_tokens(plan))
@@ -106,18 +116,18 @@ async def open_stream(state: ServerState, plan: Plan, scope: dict[str, Any],
     writer = make(plan, state.texts)
     hold = state.settings.max_queue_time_s is not None
     first = writer.first()
-    if first:
-        # The first chunk is ready: it is the body's first message (with hold too), so the server
-        # writes the headers and it in one write (server.py, change 5). A stream whose first
-        # chunk waits for the model (completions) gets its headers at once.
+    if first or not hold:
+        # The headers go out with the body's first message (server.py, change 5): the opening
+        # chunk, with hold (the status waits for the scheduling, then goes with it); else the
+        # opening chunk and the first output together. With hold and no opening chunk
+        # (completions), the status goes once the request is scheduled.
         scope[sse.NEXT_SEND_FOLLOWS] = True
 
     async def body():  # type: ignore[no-untyped-def]
         # Trap 5: no request context in here; everything needed was captured above.
-        sent = not hold  # whether the status is gone (an error is an event from then on)
+        sent = not hold  # whether the status is decided (an error is an event from then on)
+        held = "" if hold else first  # the opening chunk, waiting for the first output
         try:
-            if not hold and first:
-                yield first
             async with open_batch_text_stream(
                 engine, tokenizer, plan.prompts, plan.params, plan.stop, interval, _options(plan),
                 timeout_s,
@@ -134,6 +144,8 @@ async def open_stream(state: ServerState, plan: Plan, scope: dict[str, Any],
                     # With continuous_usage_stats (chat, completions) the chunks carry usage.
                     chunks = writer.write(said) if counts is None else writer.write(said, counts)
                     if chunks is not None:
+                        if held:
+                            chunks, held = held + chunks, ""
                         yield chunks
             tail = writer.end(text.choices)
         except EngineError as exc:
@@ -147,7 +159,7 @@ async def open_stream(state: ServerState, plan: Plan, scope: dict[str, Any],
             log.exception("error while streaming a response")
             tail = writer.failed(internal_error())
         scope[sse.NEXT_SEND_FOLLOWS] = True  # the end of the body follows: one write for both
-        yield tail
+        yield held + tail
 
     content = body()
     if hold:
