@@ -43,20 +43,20 @@ from typing import Any
 from trio_infer.bench import procstat, stats
 from trio_infer.bench.client import Endpoint, StreamResult, request, stream_sse
 from trio_infer.bench.frontend import (
-    compare_env,
     compare_spec,
     default_launcher,
+    environment,
     positive_int,
     server_command,
 )
 from trio_infer.bench.procstat import CpuMeter
 from trio_infer.bench.servers import (
     System,
-    _log_tail,
-    _wait_healthy,
     free_port,
+    log_tail,
     start_server,
     stop_server,
+    wait_healthy,
 )
 from trio_infer.bench.workload import LengthRange, make_text_workload
 
@@ -84,18 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", type=Path, default=None)
 
 
-def _server_env(args: argparse.Namespace) -> dict[str, str]:
-    """``frontend``'s environment for a level as wide as one round: room for every stream."""
-    env_args = argparse.Namespace(concurrency=[args.requests], step_ms=args.step_ms,
-                                  server_env=args.server_env)
-    return compare_env(env_args)
-
-
 def systems_for(args: argparse.Namespace) -> list[System]:
     names = [name for name, _ in args.compare]
     if len(set(names)) != len(names):
         raise SystemExit(f"error: --compare names must be unique, got {names}")
-    env = _server_env(args)
+    env = environment(args.requests, args.step_ms, args.server_env, anchor_step=True)  # room for a round
     ours = System("ours", server_command(args.launcher or default_launcher(), args.step_ms,
                                          "{port}", []), env, "fake")
     return [ours] + [System(name, cmd, env, None) for name, cmd in args.compare]
@@ -157,7 +150,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             endpoints[system.name] = Endpoint("127.0.0.1", port, "/v1")
         for system, proc, log in procs:
             root = Endpoint("127.0.0.1", endpoints[system.name].port, "")
-            await _wait_healthy(root, proc, args.startup_timeout, log, system.name)
+            await wait_healthy(root, proc, args.startup_timeout, log, system.name)
             models[system.name] = await _model_of(root, system)
             meters[system.name] = CpuMeter(proc.pid)
         rounds: list[dict[str, dict[str, Any]]] = []
@@ -184,7 +177,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             for system, proc, log in procs:
                 if proc.poll() is not None:
                     raise SystemExit(f"error: the server {system.name!r} died; its log:\n"
-                                     + _log_tail(log))
+                                     + log_tail(log))
             await trio.sleep(args.pause_s)
     finally:
         for _, proc, _ in procs:

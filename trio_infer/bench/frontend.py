@@ -55,11 +55,11 @@ from trio_infer.bench.procstat import CpuMeter
 from trio_infer.bench.serve import levels_spec
 from trio_infer.bench.servers import (  # noqa: F401  (re-exported: the tests use frontend.*)
     System,
-    _log_tail,
-    _wait_healthy,
     free_port,
+    log_tail,
     start_server,
     stop_server,
+    wait_healthy,
 )
 
 
@@ -143,29 +143,36 @@ def server_command(launcher: str, step_ms: float, port: int | str, extra: list[s
 
 
 def server_env(args: argparse.Namespace) -> dict[str, str]:
-    top = max(args.concurrency)
+    """Our server's environment for ``args``' widest level."""
+    return environment(max(args.concurrency), args.step_ms, args.server_env)
+
+
+def compare_env(args: argparse.Namespace) -> dict[str, str]:
+    """A compared server's environment for ``args``' widest level (:func:`environment`)."""
+    return environment(max(args.concurrency), args.step_ms, args.server_env, anchor_step=True)
+
+
+def environment(top: int, step_ms: float, extra: list[str], anchor_step: bool = False) -> dict[str, str]:
+    """A server's environment: the fake model with ``step_ms`` steps and room for ``top`` streams
+    at once, then ``extra`` (``--server-env`` KEY=VALUE items). With ``anchor_step`` (a compared
+    server) also the anchor's step-time variable, set to ``step_ms`` unless the environment
+    already has it (the command may still set its own)."""
     env = dict(os.environ)
     env.update({
         "TRIO_INFER_MODEL": "fake",  # for the hypercorn launcher; the CLI gets --model fake
-        "TRIO_INFER_FAKE_STEP_MS": str(args.step_ms),
+        "TRIO_INFER_FAKE_STEP_MS": str(step_ms),
         # Room for every stream at once: the front end is measured, not admission control.
         "TRIO_INFER_MAX_RUNNING": str(top),
         "TRIO_INFER_MAX_WAITING": str(max(256, 2 * top)),
         "TRIO_INFER_MAX_BATCHED_TOKENS": str(max(8192, 2 * top)),
     })
-    for item in args.server_env:
+    for item in extra:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"error: --server-env wants KEY=VALUE, got {item!r}")
         env[key] = value
-    return env
-
-
-def compare_env(args: argparse.Namespace) -> dict[str, str]:
-    """A compared server's environment: ours, plus the anchor's step-time variable (set to
-    ``--step-ms`` unless the environment already has it; the command may still set its own)."""
-    env = server_env(args)
-    env.setdefault("NULL_ENGINE_STEP_MS", f"{args.step_ms:g}")
+    if anchor_step:
+        env.setdefault("NULL_ENGINE_STEP_MS", f"{step_ms:g}")
     return env
 
 
@@ -335,7 +342,7 @@ async def _run_system(args: argparse.Namespace, system: System, repeat: int,
     started = time.time()
     proc = start_server(system, port, log)
     try:
-        await _wait_healthy(Endpoint("127.0.0.1", port, ""), proc, args.startup_timeout, log,
+        await wait_healthy(Endpoint("127.0.0.1", port, ""), proc, args.startup_timeout, log,
                             system.name)
         levels = []
         for c in args.concurrency:
@@ -345,7 +352,7 @@ async def _run_system(args: argparse.Namespace, system: System, repeat: int,
                                                endpoint))
             if proc.poll() is not None:
                 raise SystemExit(f"error: the server {system.name!r} died; its log:\n"
-                                 + _log_tail(log))
+                                 + log_tail(log))
     finally:
         stop_server(proc, args.stop_timeout)
     return {"repeat": repeat, "system": system.name, "port": port, "t_start_unix": started,

@@ -152,7 +152,7 @@ def run_server(name: str, argv: list[str], path: str, workdir: Path) -> dict[str
     import trio
 
     from trio_infer.bench.client import Endpoint, request
-    from trio_infer.bench.servers import System, _wait_healthy, free_port, start_server, stop_server
+    from trio_infer.bench.servers import System, free_port, start_server, stop_server, wait_healthy
 
     port = free_port()
     log = workdir / f"memory-{name}-{port}.log"
@@ -170,7 +170,7 @@ def run_server(name: str, argv: list[str], path: str, workdir: Path) -> dict[str
                 "ignore_eos": True, "cache_prompt": False}
 
     async def serve_one() -> None:
-        await _wait_healthy(ep, proc, 600.0, log, name)
+        await wait_healthy(ep, proc, 600.0, log, name)
         status, raw = await request(ep, "POST", route, body)
         if status != 200:
             raise SystemExit(f"error: {name} answered {status}: {raw[:300]!r}")

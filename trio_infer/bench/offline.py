@@ -592,7 +592,7 @@ class _LlamaServerNgram:
 
         from trio_infer.bench import llamaserver
         from trio_infer.bench.client import Endpoint
-        from trio_infer.bench.servers import System, _wait_healthy, free_port, start_server
+        from trio_infer.bench.servers import System, free_port, start_server, wait_healthy
 
         self.port = free_port()
         argv = llamaserver.command(self.binary, self.path, self.port, threads=self.threads,
@@ -603,7 +603,7 @@ class _LlamaServerNgram:
         print(f"llama-server-ngram: {' '.join(argv)} (log {log})", flush=True)
         self.proc = start_server(System("llama-server-ngram", argv, dict(os.environ), None),
                                  self.port, log)
-        trio.run(_wait_healthy, Endpoint("127.0.0.1", self.port, ""), self.proc, 300.0, log,
+        trio.run(wait_healthy, Endpoint("127.0.0.1", self.port, ""), self.proc, 300.0, log,
                  "llama-server-ngram")
 
     def stop(self) -> None:

@@ -47,7 +47,7 @@ import trio
 
 from trio_infer.bench import stats
 from trio_infer.bench.client import Endpoint, StreamResult, stream_sse
-from trio_infer.bench.servers import System, _wait_healthy, free_port, start_server, stop_server
+from trio_infer.bench.servers import System, free_port, start_server, stop_server, wait_healthy
 from trio_infer.bench.workload import make_text_workload, parse_range
 
 HIGH, LOW = 0, 1  # the priorities of the burst (vLLM's: lower first)
@@ -274,7 +274,7 @@ def main(args: argparse.Namespace) -> int:
                                 model=None)
                 log = log_dir / f"overload-{name}.log"
                 procs[name] = start_server(system, port, log)
-                trio.run(_wait_healthy, Endpoint("127.0.0.1", port, ""), procs[name],
+                trio.run(wait_healthy, Endpoint("127.0.0.1", port, ""), procs[name],
                          args.startup_timeout, log, name)
             res = trio.run(run, args, *(Endpoint.parse(f"http://127.0.0.1:{ports[n]}/v1")
                                         for n in ("limited", "unlimited")))

@@ -90,14 +90,14 @@ def stop_server(proc: subprocess.Popen, timeout: float = 15.0) -> None:
     proc.wait()
 
 
-def _log_tail(log: Path) -> str:
+def log_tail(log: Path) -> str:
     try:
         return log.read_text(errors="replace")[-4000:]
     except OSError:
         return "(no log)"
 
 
-async def _wait_healthy(ep: Any, proc: subprocess.Popen, timeout: float, log: Path,
+async def wait_healthy(ep: Any, proc: subprocess.Popen, timeout: float, log: Path,
                         name: str = "ours") -> None:
     import trio
 
@@ -107,7 +107,7 @@ async def _wait_healthy(ep: Any, proc: subprocess.Popen, timeout: float, log: Pa
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"error: the server {name!r} exited with {proc.returncode}; its log:\n"
-                             + _log_tail(log))
+                             + log_tail(log))
         try:
             status, _ = await request(ep, "GET", "/health")
             if status == 200:
@@ -116,4 +116,4 @@ async def _wait_healthy(ep: Any, proc: subprocess.Popen, timeout: float, log: Pa
             pass
         await trio.sleep(0.2)
     raise SystemExit(f"error: the server {name!r} did not become healthy in {timeout:g} s; "
-                     f"its log:\n{_log_tail(log)}")
+                     f"its log:\n{log_tail(log)}")

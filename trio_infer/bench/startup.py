@@ -34,7 +34,7 @@ import trio
 
 from trio_infer.bench import llamaserver, stats
 from trio_infer.bench.client import Endpoint, request
-from trio_infer.bench.servers import System, _log_tail, free_port, start_server, stop_server
+from trio_infer.bench.servers import System, free_port, log_tail, start_server, stop_server
 
 SYSTEMS = ("serve", "hypercorn", "llama-server")
 
@@ -121,7 +121,7 @@ async def time_startup(system: System, port: int, log: Path, poll_s: float,
         while time.monotonic() - t0 < timeout:
             if proc.poll() is not None:
                 raise SystemExit(f"error: {system.name} exited with {proc.returncode} while "
-                                 f"starting; its log:\n{_log_tail(log)}")
+                                 f"starting; its log:\n{log_tail(log)}")
             status = None
             with trio.move_on_after(1.0):
                 try:
@@ -137,7 +137,7 @@ async def time_startup(system: System, port: int, log: Path, poll_s: float,
             await trio.sleep(poll_s)
         if healthy is None:
             raise SystemExit(f"error: {system.name} was not healthy after {timeout:g} s; its "
-                             f"log:\n{_log_tail(log)}")
+                             f"log:\n{log_tail(log)}")
     finally:
         stop_server(proc, stop_timeout)
     return {"first_answer_s": first, "first_status": first_status, "healthy_s": healthy}

@@ -48,7 +48,7 @@ from trio_infer.bench import llamaserver, stats
 from trio_infer.bench.client import Endpoint, request
 from trio_infer.bench.procstat import thread_cpu_ns
 from trio_infer.bench.serve import run_load
-from trio_infer.bench.servers import System, _log_tail, free_port, start_server, stop_server
+from trio_infer.bench.servers import System, free_port, log_tail, start_server, stop_server
 from trio_infer.bench.workload import LengthRange
 
 FIGURES = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
@@ -139,13 +139,13 @@ async def _first_model(ep: Endpoint) -> str:
     return json.loads(body)["data"][0]["id"]
 
 
-async def _wait_healthy(port: int, proc: Any, timeout: float, log: Path, name: str) -> float:
+async def wait_healthy(port: int, proc: Any, timeout: float, log: Path, name: str) -> float:
     ep = Endpoint("127.0.0.1", port, "")
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
             raise SystemExit(f"error: {name} exited with {proc.returncode}; its log:\n"
-                             + _log_tail(log))
+                             + log_tail(log))
         with trio.move_on_after(2.0):
             try:
                 status, _ = await request(ep, "GET", "/health")
@@ -155,7 +155,7 @@ async def _wait_healthy(port: int, proc: Any, timeout: float, log: Path, name: s
                 pass
         await trio.sleep(0.1)
     raise SystemExit(f"error: {name} was not healthy after {timeout:g} s; its log:\n"
-                     + _log_tail(log))
+                     + log_tail(log))
 
 
 def _load_args(args: argparse.Namespace, port: int, model: str, concurrency: int, num: int,
@@ -251,7 +251,7 @@ async def run_system(args: argparse.Namespace, target: Target, path: str, round_
         log = workdir / f"{target.name}-r{round_i}-c{group[0]}.log"
         proc = start_server(System(target.name, argv, target.env, None), port, log)
         try:
-            healthy = await _wait_healthy(port, proc, args.startup_timeout, log, target.name)
+            healthy = await wait_healthy(port, proc, args.startup_timeout, log, target.name)
             ep = Endpoint("127.0.0.1", port, "/v1")
             model = await _first_model(ep)
             await _warm_up(args, port, model, seed=10_000 + round_i)

@@ -406,6 +406,13 @@ class _ProgressSender:
         self._sock.sendall(encode([Loading(phase, done, total)]))
 
 
+# Load errors whose message says all there is to say (a path that does not exist or cannot be
+# read: ``models/paths.py`` names the model and what to do): logged as one line and sent as it is,
+# so that the front end reports the same reason in the same words whichever of its tokenizer's
+# load and this one finds it first (they race).
+_SAYS_WHY = (FileNotFoundError, NotADirectoryError, PermissionError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trio_infer.runtime.worker")
     parser.add_argument("--fd", type=int, required=True,
@@ -468,13 +475,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         gc.unfreeze()  # collectable again at exit: extension modules check that they were freed
     return 0
-
-
-# Load errors whose message says all there is to say (a path that does not exist or cannot be
-# read: ``models/paths.py`` names the model and what to do): logged as one line and sent as it is,
-# so that the front end reports the same reason in the same words whichever of its tokenizer's
-# load and this one finds it first (they race).
-_SAYS_WHY = (FileNotFoundError, NotADirectoryError, PermissionError)
 
 
 if __name__ == "__main__":
