@@ -5,16 +5,17 @@ this project makes to hypercorn 0.18, with why each exists.
 option that differs from hypercorn's defaults is set there, next to its reason.
 
 :func:`install` changes two hypercorn classes (it must replace them: hypercorn has no hook for
-any of the thirteen changes below). Changes 1 and 2 apply only to connections served under a
+any of the fourteen changes below). Changes 1 and 2 apply only to connections served under a
 :class:`ServerConfig`; under any other configuration (``hypercorn trio_infer.app:app`` on the
 command line, or another app in the same process) they are hypercorn's own behaviour. Changes
 3, 4 and 5 write the same bytes under the same lock, only faster, changes 6 and 11 keep
 hypercorn's idle timeout with less work, changes 7, 8 and 10 accept and read the same
 connections sooner, change 9 tells the route of a client gone without a task of its own, and
-changes 12 and 13 do hypercorn's and h11's same work with less of it, so they apply to every
-connection once installed: ``serve`` installs all thirteen before it
+changes 12 and 13 do hypercorn's and h11's same work with less of it, and change 14 lets a
+stream's chunks be written from the task that delivers them, so they apply to every
+connection once installed: ``serve`` installs all fourteen before it
 starts hypercorn, and the app installs them from its lifespan startup (``app.py``), which is
-how the bare ``hypercorn trio_infer.app:app`` command gets changes 3 to 13: hypercorn looks ``TCPServer`` and
+how the bare ``hypercorn trio_infer.app:app`` command gets changes 3 to 14: hypercorn looks ``TCPServer`` and
 ``trio.serve_listeners`` up in ``hypercorn.trio.run`` when it starts serving, after the app's
 startup has run. (Changes 1 and 2 stay off there: the cap and the
 timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does not carry.)
@@ -173,6 +174,18 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
     0.94-0.96x the front end's CPU a request in 20 paired bursts, under ``serve`` and under the
     bare command.
 
+14. **A chunk written from another task, without a checkpoint** (:class:`BodyWriter`'s
+    ``ready`` and ``write_nowait``; ``CappedTCPServer.send_nowait``). A stream's reads are
+    written by the task that delivers the worker's outputs, not by the request's own task
+    (``TextStream.handle``, ``respond.open_stream``): trio's wake of a task and the async
+    layers of its read were a third of the front end's CPU a token at 256 streams. Such a write
+    is one ``os.write`` of the framed chunk, made only while change 4 would write that chunk
+    directly and nothing else is being written or held; what the socket does not take (a full
+    send buffer, a broken connection) is kept as the connection's rest, and every later write
+    of the connection (``send_raw``, and any other event after it) sends the rest first, so
+    the bytes stay in order; the request's task is then woken to send it. Same bytes, same
+    order, under any configuration (tests/api/test_reads_where_they_arrive.py).
+
 ``tests/runtime/test_connection_limits.py`` proves changes 1 and 2 against a real server (and
 fails without them); every streaming test goes through change 3.
 """
@@ -187,7 +200,7 @@ import socket
 import stat
 import struct
 import types
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import trio
 from hypercorn.config import Config
@@ -459,12 +472,12 @@ class _HeaderMemo:
 
 
 _INSTALLED = False
-_chunk_writer: Callable[[Any], Callable[[bytes], Awaitable[None]] | None] | None = None  # install()
+_chunk_writer: Callable[[Any], BodyWriter | None] | None = None  # install()
 _on_close: Callable[[Any, trio.CancelScope], bool] | None = None  # install()
 
 
 def install() -> bool:
-    """Install the thirteen changes (idempotent). Returns False, changing nothing, if hypercorn is
+    """Install the fourteen changes (idempotent). Returns False, changing nothing, if hypercorn is
     not the 0.18 layout they were written for."""
     global _INSTALLED
     if _INSTALLED:
@@ -506,6 +519,9 @@ def install() -> bool:
         # Change 5: while not None, the bytes hypercorn writes are kept here, to go out in one
         # write at uncork() (or before any event that is not bytes).
         corked: list[bytes] | None = None
+        # Change 14: what send_nowait's write left unwritten (a full send buffer), written
+        # before anything else the connection writes.
+        rest: bytes = b""
 
         def __init__(self, *args: Any) -> None:
             super().__init__(*args)
@@ -608,7 +624,28 @@ def install() -> bool:
                 return
             if self.corked is not None:  # a close, a timer: what was written goes first
                 await self.uncork()
+            if self.rest:  # change 14: likewise
+                await self.send_raw(b"")
             await super().protocol_send(event)  # Updated: the idle timer (change 6)
+
+        def send_nowait(self, data: bytes) -> bool:
+            """Change 14: ``data`` written now, from whatever task calls (no checkpoint), when
+            nothing else is being written and nothing is held (corked, or left over by an
+            earlier call): True once the socket took all of it. False when the socket took part
+            (or it is broken): the rest is kept (``rest``) and goes out first with the
+            connection's next write, which the caller should make soon (an empty one will
+            do). Call only when :meth:`can_send_nowait`."""
+            try:
+                sent = os.write(self.stream.socket.fileno(), data)
+            except OSError:  # full (BlockingIOError) or broken: send_raw meets it again
+                sent = 0
+            if sent == len(data):
+                return True
+            self.rest = data[sent:]
+            return False
+
+        def can_send_nowait(self) -> bool:
+            return self.corked is None and not self.rest and not self.send_lock.locked()
 
         async def send_raw(self, data: bytes) -> None:
             """Change 3: the bytes written at once when the socket takes them, as hypercorn's
@@ -616,6 +653,8 @@ def install() -> bool:
             half-way) but without trio's per-call machinery for a write that cannot block.
             Nothing to write is no write (change 5: h11 ends a fixed-length body with no
             bytes)."""
+            if self.rest:  # change 14: what send_nowait left goes first
+                data, self.rest = self.rest + data, b""
             if not data:
                 return
             lock = self.send_lock
@@ -770,7 +809,7 @@ def install() -> bool:
             stream._trio_infer_on_close = scope
         return True
 
-    def chunk_writer(send: Any) -> Callable[[bytes], Awaitable[None]] | None:
+    def chunk_writer(send: Any) -> BodyWriter | None:
         """Change 4 for a whole response: what _send_message finds out about the connection
         for each chunk (_chunked), found once, after the status went out; per chunk only what
         can change is looked at again."""
@@ -780,17 +819,32 @@ def install() -> bool:
         found = _chunked(stream)
         if found is None or found[1] is None:
             return None
-        connection, server = found[0].connection, found[1]
-        body, scope = h11.SEND_BODY, stream.scope
+        return _DirectWriter(send, stream, found[0].connection, found[1])
 
-        async def write(data: bytes) -> None:
-            if data and server.corked is None and stream.state is send_body \
-                    and connection.our_state is body and NEXT_SEND_FOLLOWS not in scope:
-                await server.send_raw(_frame(data))
+    class _DirectWriter(BodyWriter):
+        """Change 4's writer of one response's chunks, and change 14's :meth:`write_nowait`."""
+
+        def __init__(self, send: Any, stream: Any, connection: Any, server: Any) -> None:
+            self.send, self.stream, self.connection, self.server = send, stream, connection, server
+            self.scope = stream.scope
+
+        def _direct(self) -> bool:
+            return self.server.corked is None and self.stream.state is send_body \
+                and self.connection.our_state is h11.SEND_BODY and NEXT_SEND_FOLLOWS not in self.scope
+
+        async def __call__(self, data: bytes) -> None:
+            if not data:
+                await self.server.send_raw(b"")  # nothing, or what write_nowait left
+            elif self._direct():
+                await self.server.send_raw(_frame(data))
             else:  # corked or to cork (change 5), ended, closed: as the ASGI send does it
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+                await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
-        return write
+        def ready(self) -> bool:
+            return self._direct() and self.server.can_send_nowait()
+
+        def write_nowait(self, data: bytes) -> bool:
+            return self.server.send_nowait(_frame(data)) if data else True
 
     global _chunk_writer, _on_close
     _chunk_writer = chunk_writer
@@ -890,19 +944,36 @@ class _TrioForHypercorn(types.ModuleType):
         return getattr(trio, name)
 
 
-def body_writer(send: Any) -> Callable[[bytes], Awaitable[None]]:
+class BodyWriter:
+    """How a streamed response writes its chunks once its status is sent: ``await
+    writer(data)`` in the request's task; :meth:`write_nowait` from any task, without a
+    checkpoint, where :meth:`ready` says it can (change 14). Through the ASGI send, neither is
+    ever ready."""
+
+    def __init__(self, send: Any) -> None:
+        self.send = send
+
+    async def __call__(self, data: bytes) -> None:
+        if data:
+            await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    def ready(self) -> bool:
+        """Whether :meth:`write_nowait` may be called now."""
+        return False
+
+    def write_nowait(self, data: bytes) -> bool:
+        """Write ``data`` at once: True once all of it went; False when part of it waits for
+        the writer's next call (make one soon: ``await writer(b"")``)."""
+        raise RuntimeError("not ready")
+
+
+def body_writer(send: Any) -> BodyWriter:
     """How a streamed response writes its chunks once its status is sent (``send``: the
     request's ASGI send): straight to the connection (change 4, looked up once) where the
     changes are installed and the connection is hypercorn's HTTP/1.1 over a socket, else
     through ``send``."""
     direct = _chunk_writer(send) if _chunk_writer is not None else None
-    if direct is not None:
-        return direct
-
-    async def through_send(data: bytes) -> None:
-        await send({"type": "http.response.body", "body": data, "more_body": True})
-
-    return through_send
+    return direct if direct is not None else BodyWriter(send)
 
 
 def received(receive: Any) -> dict[str, Any] | None:

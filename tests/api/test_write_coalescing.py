@@ -8,54 +8,12 @@ hypercorn's own ``Config`` (the bare command), which gets the change from the ap
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import h11
 import pytest
-import trio
 
-from .helpers import hypercorn_connection, make_app
-
-
-async def exchange(app: Any, path: str, payload: dict, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bytes], list]:
-    """One request on a fresh connection of an in-process hypercorn: the bytes of every
-    ``os.write`` of the response (in order: the server writes with ``os.write``, change 3; the
-    client sends with ``socket.send``), and the h11 events the client parsed from them."""
-    writes: list[bytes] = []
-    write = os.write
-
-    def recording_write(fd: int, data: Any) -> int:
-        sent = write(fd, data)
-        writes.append(bytes(data[:sent]))
-        return sent
-
-    body = json.dumps(payload).encode()
-    request = (b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-               b"content-length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
-    client = h11.Connection(h11.CLIENT)
-    client.send(h11.Request(method="POST", target=path,
-                            headers=[("host", "x"), ("content-length", str(len(body)))]))
-    client.send(h11.Data(data=body))
-    client.send(h11.EndOfMessage())
-    events: list = []
-    monkeypatch.setattr(os, "write", recording_write)
-    with trio.fail_after(30):
-        async with hypercorn_connection(app) as stream:
-            await stream.send_all(request)
-            while not events or type(events[-1]) is not h11.EndOfMessage:
-                data = await stream.receive_some()
-                assert data, "the server closed the connection before the response ended"
-                client.receive_data(data)
-                while (event := client.next_event()) is not h11.NEED_DATA:
-                    events.append(event)
-                    if type(event) is h11.EndOfMessage:
-                        break
-    return writes, events
-
-
-def body_text(events: list) -> str:
-    return b"".join(e.data for e in events if type(e) is h11.Data).decode()
+from .helpers import body_text, exchange, make_app
 
 
 @pytest.fixture

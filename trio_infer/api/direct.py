@@ -215,7 +215,7 @@ async def _route(path: str, raw: bytes, headers: dict[str, str], scope: dict[str
             started = True
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
-        content = await open_stream(state, plan, scope, timeout_s=timeout_s)
+        content = await open_stream(state, plan, scope, timeout_s=timeout_s, send=send)
     except Exception as exc:  # noqa: BLE001 - before the status: every error is an answer
         if started:
             raise

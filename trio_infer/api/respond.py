@@ -22,7 +22,13 @@ from trio_infer.api.plans import Plan
 from trio_infer.api.render import Serializer, TokenText, serializer
 from trio_infer.api.state import ServerState
 from trio_infer.runtime.errors import EngineError
-from trio_infer.runtime.text_stream import TextOptions, open_batch_text_stream
+from trio_infer.runtime.text_stream import (
+    ChoiceDelta,
+    ChoiceTexts,
+    TextOptions,
+    open_batch_text_stream,
+)
+from trio_infer.server import BodyWriter, body_writer
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +88,24 @@ async def _resumed(first: str, rest: Any) -> Any:
             yield chunk
 
 
+def _write_where_they_arrive(text: ChoiceTexts, render: Callable[[list[ChoiceDelta]], str | None],
+                             writer: BodyWriter) -> None:
+    """From here on, a read of ``text`` that ends nothing is rendered and written in the task
+    that delivers it, when ``writer`` can write at once (``TextStream.handle``, server.py's
+    change 14), and the body is not woken for it. A write the socket takes only in part wakes
+    the body, whose next chunk (``""``) has the writer send the rest."""
+
+    def handle(deltas: list[ChoiceDelta]) -> None:
+        chunks = render(deltas)
+        if chunks is not None and not writer.write_nowait(chunks.encode()):
+            text.wake()
+
+    text.handle(handle, writer.ready)
+
+
 async def open_stream(state: ServerState, plan: Plan, scope: dict[str, Any],
                       make: MakeSerializer = serializer,
-                      timeout_s: float | None = None) -> AsyncIterator[str]:
+                      timeout_s: float | None = None, send: Any = None) -> AsyncIterator[str]:
     """A stream's body (an async generator of SSE text: close it), once admission said yes.
 
     Admission before the response starts: a full queue or a draining server is still a real
@@ -109,7 +130,13 @@ async def open_stream(state: ServerState, plan: Plan, scope: dict[str, Any],
     stop). An error before the first output is still an event after the status, as before.
 
     ``scope`` is the request's ASGI scope: the body marks it (``sse.NEXT_SEND_FOLLOWS``) where
-    the next send follows at once (server.py, change 5)."""
+    the next send follows at once (server.py, change 5).
+
+    ``send``, the request's ASGI send, where the caller writes the yielded chunks through
+    ``server.body_writer(send)`` (direct.py): once the status and the first output are out, a
+    read that ends nothing is rendered and written in the task that delivers it
+    (``TextStream.handle``, server.py's change 14) rather than waking this body for it, and
+    the body yields ``""`` when such a write left bytes for the caller's writer to send."""
     state.engine.check_admission(plan.num_choices, _queued_tokens(plan))
     engine, tokenizer, interval = state.engine, state.tokenizer, state.settings.stream_interval
     events = ResponseEvents(plan)
@@ -137,16 +164,27 @@ async def open_stream(state: ServerState, plan: Plan, scope: dict[str, Any],
                     sent = True
                     yield first  # the caller's: it starts the response now
                 counts = text.choices if plan.continuous_usage else None
-                async for deltas in text:
+
+                def render(deltas: list[ChoiceDelta]) -> str | None:
                     # One write per read of the stream, whatever it held: each write is an ASGI
                     # send, which costs far more than joining strings (sse.py).
                     said = events.feed(deltas)
                     # With continuous_usage_stats (chat, completions) the chunks carry usage.
-                    chunks = writer.write(said) if counts is None else writer.write(said, counts)
+                    return writer.write(said) if counts is None else writer.write(said, counts)
+
+                handled = send is None  # whether reads are taken where they arrive (below)
+                async for deltas in text:
+                    if not deltas:  # such a read's write left bytes: the writer sends them first
+                        yield ""
+                        continue
+                    chunks = render(deltas)
                     if chunks is not None:
                         if held:
                             chunks, held = held + chunks, ""
                         yield chunks
+                        if not handled:  # the status and the first output are out
+                            handled = True
+                            _write_where_they_arrive(text, render, body_writer(send))
             tail = writer.end(text.choices)
         except EngineError as exc:
             if not sent:
