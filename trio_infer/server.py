@@ -634,7 +634,8 @@ def install() -> bool:
             earlier call): True once the socket took all of it. False when the socket took part
             (or it is broken): the rest is kept (``rest``) and goes out first with the
             connection's next write, which the caller should make soon (an empty one will
-            do). Call only when :meth:`can_send_nowait`."""
+            do). Call only when nothing is corked, left over or holding the send lock
+            (``_DirectWriter.ready``)."""
             try:
                 sent = os.write(self.stream.socket.fileno(), data)
             except OSError:  # full (BlockingIOError) or broken: send_raw meets it again
@@ -643,9 +644,6 @@ def install() -> bool:
                 return True
             self.rest = data[sent:]
             return False
-
-        def can_send_nowait(self) -> bool:
-            return self.corked is None and not self.rest and not self.send_lock.locked()
 
         async def send_raw(self, data: bytes) -> None:
             """Change 3: the bytes written at once when the socket takes them, as hypercorn's
@@ -704,6 +702,7 @@ def install() -> bool:
 
     app_send = HTTPStream.app_send
     send_body = ASGIHTTPState.RESPONSE
+    h11_send_body = h11.SEND_BODY
 
     async def _app_send(self: Any, message: Any) -> None:
         """Change 5 around change 4: a marked send corks the connection until the next one."""
@@ -830,7 +829,7 @@ def install() -> bool:
 
         def _direct(self) -> bool:
             return self.server.corked is None and self.stream.state is send_body \
-                and self.connection.our_state is h11.SEND_BODY and NEXT_SEND_FOLLOWS not in self.scope
+                and self.connection.our_state is h11_send_body and NEXT_SEND_FOLLOWS not in self.scope
 
         async def __call__(self, data: bytes) -> None:
             if not data:
@@ -841,7 +840,10 @@ def install() -> bool:
                 await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
         def ready(self) -> bool:
-            return self._direct() and self.server.can_send_nowait()
+            server = self.server  # (one expression: asked for every read of every stream)
+            return server.corked is None and not server.rest and not server.send_lock.locked() \
+                and self.stream.state is send_body and self.connection.our_state is h11_send_body \
+                and NEXT_SEND_FOLLOWS not in self.scope
 
         def write_nowait(self, data: bytes) -> bool:
             return self.server.send_nowait(_frame(data)) if data else True

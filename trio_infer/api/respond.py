@@ -182,7 +182,8 @@ async def open_stream(state: ServerState, plan: Plan, scope: dict[str, Any],
                         if held:
                             chunks, held = held + chunks, ""
                         yield chunks
-                        if not handled:  # the status and the first output are out
+                        if not handled and not text.finished:
+                            # The status and the first output are out, and more is to come.
                             handled = True
                             _write_where_they_arrive(text, render, body_writer(send))
             tail = writer.end(text.choices)

@@ -321,6 +321,9 @@ class ChoiceTexts(Protocol):
     choices: list[ChoiceText]
     num_prompt_tokens: int
 
+    @property
+    def finished(self) -> bool: ...
+
     def __aiter__(self) -> Any: ...
 
     async def admitted(self) -> None: ...
@@ -338,6 +341,10 @@ class NothingToGenerate:
         self.choices = _choices(tokenizer, prompts, n, ())
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         self._done = False
+
+    @property
+    def finished(self) -> bool:
+        return self._done
 
     def __aiter__(self) -> NothingToGenerate:
         return self
