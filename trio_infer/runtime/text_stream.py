@@ -1,4 +1,6 @@
-"""One request's text: everything from token ids to text deltas, in the request's own task.
+"""One request's text: everything from token ids to text deltas, in the request's own task
+(or, for a read that ends nothing, in the task that delivers it while the request's task waits:
+:meth:`TextStream.handle`).
 
 :class:`TextStream` reads a request's :class:`~trio_infer.runtime.client.GenerationStream` and
 yields, per read, the choices' text deltas: incremental detokenization, the EOS / stop token
