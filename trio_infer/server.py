@@ -840,10 +840,8 @@ def install() -> bool:
                 await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
         def ready(self) -> bool:
-            server = self.server  # (one expression: asked for every read of every stream)
-            return server.corked is None and not server.rest and not server.send_lock.locked() \
-                and self.stream.state is send_body and self.connection.our_state is h11_send_body \
-                and NEXT_SEND_FOLLOWS not in self.scope
+            server = self.server
+            return not server.rest and not server.send_lock.locked() and self._direct()
 
         def write_nowait(self, data: bytes) -> bool:
             return self.server.send_nowait(_frame(data)) if data else True

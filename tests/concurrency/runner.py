@@ -192,9 +192,6 @@ class TappedStream:
 
     def handle(self, handler: Any) -> None:
         """``GenerationStream.handle``, with what the handler takes logged as a read."""
-        if handler is None:
-            self._stream.handle(None)
-            return
 
         def tapped(outputs: list[Output]) -> bool:
             if not handler(outputs):

@@ -331,13 +331,11 @@ class GenerationStream:
         sequence stops costing compute. No-op if it already finished."""
         self._session.finish(index)
 
-    def handle(self, handler: Callable[[list[RequestOutput]], bool] | None) -> None:
+    def handle(self, handler: Callable[[list[RequestOutput]], bool]) -> None:
         """Reads done in the writer's task while this stream's reader waits
         (:meth:`OutputQueue.handle`): what ``handler`` takes counts as read (its credits go
-        back as a read's do) and never comes out of ``__anext__``. None removes it."""
-        if handler is None:
-            self._session.outputs.handle(None)
-            return
+        back as a read's do) and never comes out of ``__anext__``. It stays for the session's
+        life (leaving ``generate`` removes it with the reader's side)."""
         session = self._session
 
         def take(outputs: list[RequestOutput]) -> bool:

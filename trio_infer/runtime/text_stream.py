@@ -252,11 +252,11 @@ class TextStream:
         stream = self._stream
 
         def take(outputs: list[RequestOutput]) -> bool:
-            if not ready():
-                return False
             for out in outputs:
                 if out.finish_reason is not None or out.prompt_logprobs is not None:
                     return False  # the reader's: its end, its first output
+            if not ready():
+                return False
             try:
                 deltas = self._fold(outputs)
                 if deltas:
