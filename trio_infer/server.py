@@ -823,6 +823,8 @@ def install() -> bool:
     class _DirectWriter(BodyWriter):
         """Change 4's writer of one response's chunks, and change 14's :meth:`write_nowait`."""
 
+        writes_nowait = True
+
         def __init__(self, send: Any, stream: Any, connection: Any, server: Any) -> None:
             self.send, self.stream, self.connection, self.server = send, stream, connection, server
             self.scope = stream.scope
@@ -956,6 +958,10 @@ class BodyWriter:
     async def __call__(self, data: bytes) -> None:
         if data:
             await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    # Whether :meth:`write_nowait` can ever be called (change 14's writer), so that a stream
+    # does not install a handler whose writer is never ready.
+    writes_nowait = False
 
     def ready(self) -> bool:
         """Whether :meth:`write_nowait` may be called now."""

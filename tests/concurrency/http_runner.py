@@ -96,6 +96,8 @@ class InlineWriter(BodyWriter):
     that does not fit is the connection's rest, sent before its next message
     (:class:`YieldingConnection`), as a socket's unsent rest is."""
 
+    writes_nowait = True
+
     def __init__(self, send: Any) -> None:
         super().__init__(send)
         self.connection: YieldingConnection = send.__self__

@@ -185,7 +185,9 @@ async def open_stream(state: ServerState, plan: Plan, scope: dict[str, Any],
                         if not handled and not text.finished:
                             # The status and the first output are out, and more is to come.
                             handled = True
-                            _write_where_they_arrive(text, render, body_writer(send))
+                            direct = body_writer(send)
+                            if direct.writes_nowait:
+                                _write_where_they_arrive(text, render, direct)
             tail = writer.end(text.choices)
         except EngineError as exc:
             if not sent:
