@@ -8,6 +8,7 @@ hypercorn's own ``Config`` (the bare command), which gets the change from the ap
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import h11
@@ -91,12 +92,16 @@ async def test_a_streams_middle_chunks_go_straight_to_the_connection(app, monkey
     monkeypatch.setattr(HTTPStream, "app_send", counting)
     writes, events = await exchange(app, "/v1/chat/completions", {
         "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
-        "stream": True, "stream_options": {"include_usage": True}}, monkeypatch)
+        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}, monkeypatch)
     text = body_text(events)
     chunks = [json.loads(x[len("data: "):]) for x in text.split("\n\n") if x.startswith("data: {")]
     assert chunks[-1]["usage"]["completion_tokens"] == 8 and text.endswith("data: [DONE]\n\n")
     # Through the ASGI send: the role chunk (with the headers), the last chunk, the end.
     assert len(bodies) == 3 and bodies[-1] == b"" and b"[DONE]" in bodies[1]
+    # Each middle write is whole chunks: a frame's size line, SSE events, the frame's end. (Not
+    # each a token's text: the finish's chunk has none when the last tokens are an unfinished
+    # character, which is never sent, as in vLLM; sampled text met that 1-2% of the time.)
     middle = writes[1:-1]
-    assert middle and all(w.endswith(b"\n\n\r\n") and b'"content":' in w for w in middle)
+    assert middle
+    assert [w for w in middle if not re.fullmatch(rb"[0-9a-f]+\r\n(data: \{[^\n]*\}\n\n)+\r\n", w)] == []
     assert len(writes) == len(middle) + 2
