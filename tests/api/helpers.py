@@ -188,7 +188,11 @@ async def open_request(client, path: str, body: dict[str, Any]):  # type: ignore
                 yield conn
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 error = exc
-            await conn.disconnect()
+            # Shielded: under a cancellation (a test's fail_after) the disconnect would raise
+            # Cancelled, and so would the connection's __aexit__ before it closes its nursery:
+            # trio then reports "Nursery stack corrupted" instead of the timeout.
+            with trio.CancelScope(shield=True):
+                await conn.disconnect()
             cs.cancel()
     if error is not None:
         raise error
