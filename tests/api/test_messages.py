@@ -260,7 +260,7 @@ async def test_disconnect_mid_stream_frees_everything(tokenizer: Any, autojump_c
 
     app = make_app(tokenizer)
     # Greedy: sampled text is held while it ends in an unfinished character, and three steps
-    # of it said nothing about 1 time in 500 (the test then waited out its fail_after).
+    # of it said nothing 2 times in 1500 (the test then waited out its fail_after).
     body = {"model": "fake", "max_tokens": 2000, "stream": True, "temperature": 0,
             "messages": [{"role": "user", "content": "hi"}]}
     async with running(app) as c:
