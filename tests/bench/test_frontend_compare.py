@@ -166,3 +166,17 @@ def test_frontend_compare_smoke(tmp_path: Path) -> None:
                       "server_cpu_us_per_token"}
     assert r["streamed_tok_s"] > 0
     assert not _alive(int(child_pid.read_text()))  # stopped with its process group
+
+
+def test_each_repetition_starts_with_the_next_system() -> None:
+    """--repeats K: every system once per repetition, and each system first in turn (a fixed
+    order would give the first system the first run's handicap every time)."""
+    from trio_infer.bench.frontend import run_order
+
+    assert run_order(["ours", "bare", "anchor"], 4) == [
+        (0, "ours"), (0, "bare"), (0, "anchor"),
+        (1, "bare"), (1, "anchor"), (1, "ours"),
+        (2, "anchor"), (2, "ours"), (2, "bare"),
+        (3, "ours"), (3, "bare"), (3, "anchor"),
+    ]
+    assert run_order(["ours"], 2) == [(0, "ours"), (1, "ours")]

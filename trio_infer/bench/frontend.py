@@ -28,8 +28,9 @@ command (``bash -c``) with ``{port}`` replaced by a free port, started in its ow
 with our server's environment (plus ``NULL_ENGINE_STEP_MS`` = ``--step-ms`` unless already set),
 waited on until ``GET /health`` answers 200, measured at every level exactly like ours, then
 stopped: SIGINT to its whole process group, SIGKILL to whatever is left of the group after
-``--stop-timeout`` seconds. ``--repeats K`` interleaves: for each repetition, for each system (ours
-first, then the compared ones in order), a fresh server runs every level. The tables and JSON give
+``--stop-timeout`` seconds. ``--repeats K`` interleaves: for each repetition, for each system (in
+the order ours, then the compared ones, starting with the next system at each repetition:
+:func:`run_order`), a fresh server runs every level. The tables and JSON give
 per system per level the median of the K repetitions, and for each compared system the ratios
 ours / theirs of tok/s, keep-up, gap p99 and server CPU us/token. With ``--compare`` requests go to
 ``/v1/chat/completions`` (``--endpoint``), which every OpenAI-compatible server serves.
@@ -359,6 +360,21 @@ async def _run_system(args: argparse.Namespace, system: System, repeat: int,
             "t_end_unix": time.time(), "levels": levels}
 
 
+def run_order(systems: list[Any], repeats: int) -> list[tuple[int, Any]]:
+    """The (repetition, system) runs in order: each repetition runs every system once, and
+    repetition ``r`` starts with system ``r`` (round-robin), so that over ``len(systems)``
+    repetitions each system runs first once.
+
+    Why: the systems run one after another, and on a 2-core VM the first run of a repetition
+    came out slower than the same server run later in it (three runs in the order ours (``serve``),
+    bare hypercorn, anchor: ours' TTFT p99 was 1.14-1.22x bare's; a fourth with bare first:
+    bare's was 1.11x ours'; docs/benchmarks.md, the sixteenth stop). A
+    fixed order puts that on the first system every time: ours, when its figures are the ones
+    compared."""
+    n = len(systems)
+    return [(r, systems[(r + i) % n]) for r in range(repeats) for i in range(n)]
+
+
 async def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
     if not procstat.available():
@@ -367,11 +383,10 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     endpoint = endpoint_for(args)
     runs: dict[str, list[list[dict[str, Any]]]] = {s.name: [] for s in systems}
     schedule = []
-    for repeat in range(args.repeats):
-        for system in systems:
-            res = await _run_system(args, system, repeat, workdir, endpoint)
-            runs[system.name].append(res.pop("levels"))
-            schedule.append(res)
+    for repeat, system in run_order(systems, args.repeats):
+        res = await _run_system(args, system, repeat, workdir, endpoint)
+        runs[system.name].append(res.pop("levels"))
+        schedule.append(res)
     return {
         "endpoint": endpoint,
         "systems": {s.name: {"command": s.display(), "runs": runs[s.name],
