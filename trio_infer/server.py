@@ -5,7 +5,7 @@ this project makes to hypercorn 0.18, with why each exists.
 option that differs from hypercorn's defaults is set there, next to its reason.
 
 :func:`install` changes two hypercorn classes (it must replace them: hypercorn has no hook for
-any of the fourteen changes below). Changes 1 and 2 apply only to connections served under a
+any of the fifteen changes below). Changes 1 and 2 apply only to connections served under a
 :class:`ServerConfig`; under any other configuration (``hypercorn trio_infer.app:app`` on the
 command line, or another app in the same process) they are hypercorn's own behaviour. Changes
 3, 4 and 5 write the same bytes under the same lock, only faster, changes 6 and 11 keep
@@ -13,9 +13,10 @@ hypercorn's idle timeout with less work, changes 7, 8 and 10 accept and read the
 connections sooner, change 9 tells the route of a client gone without a task of its own, and
 changes 12 and 13 do hypercorn's and h11's same work with less of it, and change 14 lets a
 stream's chunks be written from the task that delivers them, so they apply to every
-connection once installed: ``serve`` installs all fourteen before it
+connection once installed (and change 15 skips hypercorn's TLS handshake attempt on a plain
+TCP connection): ``serve`` installs all fifteen before it
 starts hypercorn, and the app installs them from its lifespan startup (``app.py``), which is
-how the bare ``hypercorn trio_infer.app:app`` command gets changes 3 to 14: hypercorn looks ``TCPServer`` and
+how the bare ``hypercorn trio_infer.app:app`` command gets changes 3 to 15: hypercorn looks ``TCPServer`` and
 ``trio.serve_listeners`` up in ``hypercorn.trio.run`` when it starts serving, after the app's
 startup has run. (Changes 1 and 2 stay off there: the cap and the
 timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does not carry.)
@@ -185,6 +186,17 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
     of the connection (``send_raw``, and any other event after it) sends the rest first, so
     the bytes stay in order; the request's task is then woken to send it. Same bytes, same
     order, under any configuration (tests/api/test_reads_where_they_arrive.py).
+
+15. **A plain TCP connection starts without a TLS handshake attempt.** hypercorn's
+    ``TCPServer.run`` begins every connection by calling ``do_handshake`` inside
+    ``fail_after(ssl_handshake_timeout)`` and learns that the connection is plain from the
+    ``AttributeError`` a ``trio.SocketStream`` raises: a cancel scope with a deadline, and an
+    exception thrown through two context managers, for every connection. For a
+    ``trio.SocketStream`` the rest of hypercorn's ``run`` is run as it is (the same protocol
+    objects, ``ssl`` false, ALPN ``http/1.1``, the same close); a TLS stream goes through
+    hypercorn's own. A burst of 256 new connections used 5-8% less CPU a request
+    (``bench burst``, paired, two runs; docs/benchmarks.md, the sixteenth stop). Under any
+    configuration.
 
 ``tests/runtime/test_connection_limits.py`` proves changes 1 and 2 against a real server (and
 fails without them); every streaming test goes through change 3.
@@ -477,7 +489,7 @@ _on_close: Callable[[Any, trio.CancelScope], bool] | None = None  # install()
 
 
 def install() -> bool:
-    """Install the fourteen changes (idempotent). Returns False, changing nothing, if hypercorn is
+    """Install the fifteen changes (idempotent). Returns False, changing nothing, if hypercorn is
     not the 0.18 layout they were written for."""
     global _INSTALLED
     if _INSTALLED:
@@ -493,6 +505,9 @@ def install() -> bool:
         from hypercorn.protocol.h11 import H11Protocol
         from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
         from hypercorn.trio.task_group import TaskGroup
+        from hypercorn.protocol import ProtocolWrapper
+        from hypercorn.typing import ConnectionState
+        from hypercorn.utils import parse_socket_addr
         from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
     except ImportError:
         return False
@@ -538,14 +553,37 @@ def install() -> bool:
         async def run(self) -> None:
             config = self.config
             if not isinstance(config, ServerConfig):
-                return await super().run()
+                return await self._serve()
             if config.open_connections >= config.max_connections:
                 return await _refuse(self.stream)
             config.open_connections += 1
             try:
-                await super().run()
+                await self._serve()
             finally:
                 config.open_connections -= 1
+
+        async def _serve(self) -> None:
+            """Change 15: hypercorn's ``run``, without its TLS handshake attempt on a plain TCP
+            connection (the module's docstring says why)."""
+            if type(self.stream) is not trio.SocketStream:
+                return await TCPServer.run(self)
+            sock = self.stream.socket
+            try:
+                client = parse_socket_addr(sock.family, sock.getpeername())
+                server = parse_socket_addr(sock.family, sock.getsockname())
+                async with TaskGroup() as task_group:
+                    self._task_group = task_group
+                    self.protocol = ProtocolWrapper(
+                        self.app, self.config, self.context, task_group,
+                        ConnectionState(self.state), False, client, server, self.protocol_send,
+                        "http/1.1")
+                    await self.protocol.initiate()
+                    await self.idle_task.restart(self._task_group, self._idle_timeout)
+                    await self._read_data()
+            except OSError:
+                pass
+            finally:
+                await self._close()
 
         async def _read_data(self) -> None:
             try:

@@ -449,3 +449,26 @@ async def test_received_takes_a_waiting_message_and_says_none_otherwise() -> Non
     assert server.received(elsewhere) is None
     await send.aclose()
     assert server.received(receive.receive) is None  # the end: awaiting receive() raises it
+
+
+async def test_a_plain_connection_is_served_without_a_tls_handshake_attempt(tokenizer, monkeypatch) -> None:
+    """Change 15: hypercorn's ``run`` calls ``do_handshake`` (in a ``fail_after``) on every
+    connection and learns that it is plain TCP from the ``AttributeError``; a
+    ``trio.SocketStream`` is served without the attempt, and its response is whole."""
+    import h11
+
+    from .helpers import exchange, make_app
+
+    calls: list[Any] = []
+
+    def do_handshake(self: Any) -> None:  # what a plain stream's missing attribute raises
+        calls.append(self)
+        raise AttributeError("do_handshake")
+
+    monkeypatch.setattr(trio.SocketStream, "do_handshake", do_handshake, raising=False)
+    _, events = await exchange(make_app(tokenizer), "/v1/chat/completions", {
+        "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "temperature": 0}, monkeypatch)
+    assert type(events[0]) is h11.Response and events[0].status_code == 200
+    assert json.loads(b"".join(e.data for e in events if type(e) is h11.Data))["usage"]["completion_tokens"] == 2
+    assert calls == []
