@@ -457,7 +457,7 @@ async def test_a_plain_connection_is_served_without_a_tls_handshake_attempt(toke
     ``trio.SocketStream`` is served without the attempt, and its response is whole."""
     import h11
 
-    from .helpers import exchange, make_app
+    from .helpers import body_text, exchange, make_app
 
     calls: list[Any] = []
 
@@ -470,5 +470,5 @@ async def test_a_plain_connection_is_served_without_a_tls_handshake_attempt(toke
         "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
         "temperature": 0}, monkeypatch)
     assert type(events[0]) is h11.Response and events[0].status_code == 200
-    assert json.loads(b"".join(e.data for e in events if type(e) is h11.Data))["usage"]["completion_tokens"] == 2
+    assert json.loads(body_text(events))["usage"]["completion_tokens"] == 2
     assert calls == []
