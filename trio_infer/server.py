@@ -5,7 +5,15 @@ this project makes to hypercorn 0.18, with why each exists.
 option that differs from hypercorn's defaults is set there, next to its reason.
 
 :func:`install` changes two hypercorn classes (it must replace them: hypercorn has no hook for
-any of the fifteen changes below). Changes 1 and 2 apply only to connections served under a
+any of the sixteen changes below). Change 16 is the largest: a plain HTTP/1.1 request (what
+every client sends) is served by ``http1.py`` on its connection's own task, without hypercorn's
+protocol objects; hypercorn serves the rest (a head it must judge, a chunked body, an upgrade,
+TLS), from the first such request of a connection on. Changes 2 to 14 are what hypercorn's own
+path keeps; the fast path shares their writes (changes 3, 5 and 14: ``send_raw``,
+``send_nowait``) and their hooks (changes 4, 9 and 13: :func:`body_writer`,
+:func:`cancel_on_close`, :func:`received`), and does the rest its own way, said there.
+
+Changes 1 and 2 apply only to connections served under a
 :class:`ServerConfig`; under any other configuration (``hypercorn trio_infer.app:app`` on the
 command line, or another app in the same process) they are hypercorn's own behaviour. Changes
 3, 4 and 5 write the same bytes under the same lock, only faster, changes 6 and 11 keep
@@ -14,9 +22,10 @@ connections sooner, change 9 tells the route of a client gone without a task of 
 changes 12 and 13 do hypercorn's and h11's same work with less of it, and change 14 lets a
 stream's chunks be written from the task that delivers them, so they apply to every
 connection once installed (and change 15 skips hypercorn's TLS handshake attempt on a plain
-TCP connection): ``serve`` installs all fifteen before it
+TCP connection, and change 16 serves plain requests without hypercorn's protocol objects):
+``serve`` installs all sixteen before it
 starts hypercorn, and the app installs them from its lifespan startup (``app.py``), which is
-how the bare ``hypercorn trio_infer.app:app`` command gets changes 3 to 15: hypercorn looks ``TCPServer`` and
+how the bare ``hypercorn trio_infer.app:app`` command gets changes 3 to 16: hypercorn looks ``TCPServer`` and
 ``trio.serve_listeners`` up in ``hypercorn.trio.run`` when it starts serving, after the app's
 startup has run. (Changes 1 and 2 stay off there: the cap and the
 timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does not carry.)
@@ -198,8 +207,25 @@ timeouts are ``serve``'s settings, which a bare hypercorn's own ``Config`` does 
     (``bench burst``, paired, two runs; docs/benchmarks.md, the sixteenth stop). Under any
     configuration.
 
+16. **A plain request served on its connection's task, without hypercorn's protocol objects**
+    (``http1.py``: :class:`~trio_infer.http1.Connection`, whose module docstring says what
+    "plain" is and what the app and the client see). In a burst of 256 new connections,
+    hypercorn's path for each request (h11's parser and state machine, ``ProtocolWrapper``,
+    ``H11Protocol``, ``HTTPStream``, a task and a memory channel for the app, its recycle) was
+    the largest part of the front end's work a request. ``CappedTCPServer._serve`` hands a
+    plain TCP connection to the fast path first; the first request it does not take (and the
+    bytes read so far) goes to hypercorn, which serves the connection from there as if it had
+    read them itself. The fast path answers what hypercorn answers, byte for byte but the date
+    (tests/api/test_http1.py), keeps a kept-alive connection's idle timeout, and closes an idle
+    connection at once when the server terminates: the worker's termination event is replaced
+    by :class:`~trio_infer.http1.Termination`, which cancels the fast path's idle waits when it
+    is set (no task per idle wait). A burst of 256 new connections used 22-24% less CPU a
+    request, under ``serve`` and under the bare command (``bench burst``, paired;
+    docs/benchmarks.md, the seventeenth stop). Under any configuration.
+
 ``tests/runtime/test_connection_limits.py`` proves changes 1 and 2 against a real server (and
-fails without them); every streaming test goes through change 3.
+fails without them); every streaming test goes through change 3; ``tests/api/test_http1.py``
+proves change 16.
 """
 
 from __future__ import annotations
@@ -219,6 +245,7 @@ from hypercorn.config import Config
 
 from trio_infer.api.errors import RETRY_AFTER_S, SERVER_ERROR, error_body
 from trio_infer.api.sse import NEXT_SEND_FOLLOWS, dumps
+from trio_infer.http1 import BodyWriter, Connection, Exchange, Termination
 from trio_infer.settings import Settings, Wiring
 
 log = logging.getLogger(__name__)
@@ -369,8 +396,9 @@ class _IdleTimer:
         self._started = False
         self._ended = False
 
-    async def restart(self, task_group: Any, action: Any) -> None:
-        """The connection is idle: closed ``keep_alive_timeout`` from now unless a request
+    async def restart(self, task_group: Any, action: Any, since: float | None = None) -> None:
+        """The connection is idle: closed ``keep_alive_timeout`` from now (from ``since``, when
+        it has been idle since then: change 16's fast path waited first) unless a request
         starts first (at once if the server is terminating). (``action`` is hypercorn's
         ``_idle_timeout``, whose work :meth:`_run` does.) Does not wait, so it cannot be
         cancelled half-way (change 2)."""
@@ -378,7 +406,8 @@ class _IdleTimer:
         if self._server.context.terminated.is_set():
             self._set(-math.inf)
         else:
-            self._set(trio.current_time() + self._server.config.keep_alive_timeout)
+            start = trio.current_time() if since is None else since
+            self._set(start + self._server.config.keep_alive_timeout)
         self._task_group = task_group
         if self._waiting or not isinstance(self._server.stream, trio.SocketStream):
             self._start()
@@ -489,7 +518,7 @@ _on_close: Callable[[Any, trio.CancelScope], bool] | None = None  # install()
 
 
 def install() -> bool:
-    """Install the fifteen changes (idempotent). Returns False, changing nothing, if hypercorn is
+    """Install the sixteen changes (idempotent). Returns False, changing nothing, if hypercorn is
     not the 0.18 layout they were written for."""
     global _INSTALLED
     if _INSTALLED:
@@ -505,6 +534,7 @@ def install() -> bool:
         from hypercorn.protocol.h11 import H11Protocol
         from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
         from hypercorn.trio.task_group import TaskGroup
+        from hypercorn.trio.worker_context import EventWrapper
         from hypercorn.protocol import ProtocolWrapper
         from hypercorn.typing import ConnectionState
         from hypercorn.utils import parse_socket_addr
@@ -537,10 +567,17 @@ def install() -> bool:
         # Change 14: what send_nowait's write left unwritten (a full send buffer), written
         # before anything else the connection writes.
         rest: bytes = b""
+        # Change 16: the connection's fast path while it serves the connection.
+        fast: Connection | None = None
 
         def __init__(self, *args: Any) -> None:
             super().__init__(*args)
             self.idle_task = _IdleTimer(self)  # change 6
+            # Change 16: the worker's termination event, replaced (once, before any
+            # connection waits on it) by one that also ends the fast path's idle waits.
+            context = self.context
+            if type(context.terminated) is EventWrapper and not context.terminated.is_set():
+                context.terminated = Termination()
 
         def cork(self) -> None:
             self.corked = []
@@ -563,14 +600,24 @@ def install() -> bool:
                 config.open_connections -= 1
 
         async def _serve(self) -> None:
-            """Change 15: hypercorn's ``run``, without its TLS handshake attempt on a plain TCP
-            connection (the module's docstring says why)."""
+            """Change 16: a plain TCP connection's plain requests on the fast path
+            (``http1.py``), then, from the first request it does not serve (or once the
+            connection waits for its next one), hypercorn's ``run`` with change 15: without
+            its TLS handshake attempt (the module's docstring says why)."""
             if type(self.stream) is not trio.SocketStream:
                 return await TCPServer.run(self)
             sock = self.stream.socket
             try:
                 client = parse_socket_addr(sock.family, sock.getpeername())
                 server = parse_socket_addr(sock.family, sock.getsockname())
+                self.fast = Connection(self, client, server)
+                try:
+                    rest = await self.fast.serve()
+                    idle_since = self.fast.idle_since
+                finally:
+                    self.fast = None
+                if rest is None:
+                    return
                 async with TaskGroup() as task_group:
                     self._task_group = task_group
                     self.protocol = ProtocolWrapper(
@@ -578,7 +625,12 @@ def install() -> bool:
                         ConnectionState(self.state), False, client, server, self.protocol_send,
                         "http/1.1")
                     await self.protocol.initiate()
-                    await self.idle_task.restart(self._task_group, self._idle_timeout)
+                    # The idle time (the time to send a head) counts from when the fast path
+                    # began to wait for this request, as it would have under hypercorn alone.
+                    await self.idle_task.restart(self._task_group, self._idle_timeout,
+                                                 since=idle_since)
+                    if rest:  # read by the fast path: hypercorn serves them as if it had
+                        await self.protocol.handle(RawData(rest))
                     await self._read_data()
             except OSError:
                 pass
@@ -717,7 +769,10 @@ def install() -> bool:
                 finally:
                     lock.release()
             if broken:
-                await self.protocol.handle(Closed())
+                if self.fast is not None:
+                    self.fast.broken()
+                else:
+                    await self.protocol.handle(Closed())
 
     run_module.TCPServer = CappedTCPServer  # type: ignore[misc]
     run_module.trio = _TrioForHypercorn()  # change 7: what worker_serve calls serve_listeners by
@@ -984,39 +1039,16 @@ class _TrioForHypercorn(types.ModuleType):
         return getattr(trio, name)
 
 
-class BodyWriter:
-    """How a streamed response writes its chunks once its status is sent: ``await
-    writer(data)`` in the request's task; :meth:`write_nowait` from any task, without a
-    checkpoint, where :meth:`ready` says it can (change 14). Through the ASGI send, neither is
-    ever ready."""
-
-    def __init__(self, send: Any) -> None:
-        self.send = send
-
-    async def __call__(self, data: bytes) -> None:
-        if data:
-            await self.send({"type": "http.response.body", "body": data, "more_body": True})
-
-    # Whether :meth:`write_nowait` can ever be called (change 14's writer), so that a stream
-    # does not install a handler whose writer is never ready.
-    writes_nowait = False
-
-    def ready(self) -> bool:
-        """Whether :meth:`write_nowait` may be called now."""
-        return False
-
-    def write_nowait(self, data: bytes) -> bool:
-        """Write ``data`` at once: True once all of it went; False when part of it waits for
-        the writer's next call (make one soon: ``await writer(b"")``)."""
-        raise RuntimeError("not ready")
-
-
 def body_writer(send: Any) -> BodyWriter:
     """How a streamed response writes its chunks once its status is sent (``send``: the
     request's ASGI send): straight to the connection (change 4, looked up once) where the
-    changes are installed and the connection is hypercorn's HTTP/1.1 over a socket, else
-    through ``send``."""
-    direct = _chunk_writer(send) if _chunk_writer is not None else None
+    changes are installed and the connection is hypercorn's HTTP/1.1 over a socket, or the
+    request is on the fast path (change 16), else through ``send``."""
+    owner = getattr(send, "__self__", None)
+    if type(owner) is Exchange:
+        direct = owner.writer()
+    else:
+        direct = _chunk_writer(send) if _chunk_writer is not None else None
     return direct if direct is not None else BodyWriter(send)
 
 
@@ -1025,6 +1057,8 @@ def received(receive: Any) -> dict[str, Any] | None:
     the request's queue (taken without a schedule point), else None (nothing there yet, or
     another server's ``receive``: await it)."""
     channel = getattr(receive, "__self__", None)
+    if type(channel) is Exchange:  # the fast path (change 16)
+        return channel.receive_nowait()
     if type(channel) is not trio.MemoryReceiveChannel:
         return None
     try:
@@ -1038,6 +1072,9 @@ def cancel_on_close(send: Any, scope: trio.CancelScope) -> bool:
     closes before its response is complete (change 9; at once if it already has). False,
     registering nothing, where the changes are not installed or the server is not hypercorn's
     HTTP/1.1: the caller then watches ``receive`` for ``http.disconnect`` itself."""
+    owner = getattr(send, "__self__", None)
+    if type(owner) is Exchange:  # the fast path (change 16)
+        return owner.on_close(scope)
     return _on_close is not None and _on_close(send, scope)
 
 

@@ -78,18 +78,19 @@ async def test_with_a_queue_time_limit_only_a_ready_first_chunk_joins_the_header
 async def test_a_streams_middle_chunks_go_straight_to_the_connection(app, monkeypatch) -> None:
     """server.py's change 4 for a whole response (``body_writer``): once the status is out, each
     chunk but the first and the last is framed and written without the ASGI send; the bytes are
-    hypercorn's (an h11 client parses the response whole), one write a chunk."""
-    from hypercorn.protocol.http_stream import HTTPStream
+    hypercorn's (an h11 client parses the response whole), one write a chunk. (The request is
+    plain, so it is served on the fast path, change 16, whose ASGI send is counted.)"""
+    from trio_infer.http1 import Exchange
 
     bodies: list[bytes] = []
-    app_send = HTTPStream.app_send
+    app_send = Exchange.send
 
     async def counting(self: Any, message: Any) -> None:
-        if message is not None and message["type"] == "http.response.body":
+        if message["type"] == "http.response.body":
             bodies.append(message.get("body", b""))
         await app_send(self, message)
 
-    monkeypatch.setattr(HTTPStream, "app_send", counting)
+    monkeypatch.setattr(Exchange, "send", counting)
     writes, events = await exchange(app, "/v1/chat/completions", {
         "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
         "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}, monkeypatch)
