@@ -352,3 +352,80 @@ async def test_a_refusal_before_the_body_is_read_is_read_whole_by_the_client(
                     pass
             assert trio.current_time() - t0 <= 9
     assert exchanges == ["/v1/completions"]
+
+
+_COMPLETION = json.dumps({"model": "fake", "prompt": "hi", "max_tokens": 1, "temperature": 0}).encode()
+_REQUESTS = {  # name: (request bytes, taken by the fast path)
+    "probe": (b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n", True),
+    "probe via hypercorn": (b"GET /health HTTP/1.1\r\nhost: x\r\nte: trailers\r\n\r\n", False),
+    "completion": (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"
+                   % (len(_COMPLETION), _COMPLETION), True),
+    "chunked completion": (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked"
+                           b"\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(_COMPLETION), _COMPLETION), False),
+    "head": (b"HEAD /health HTTP/1.1\r\nhost: x\r\n\r\n", False),
+}
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(names=st.lists(st.sampled_from(sorted(_REQUESTS)), min_size=1, max_size=5),
+       cuts=st.lists(st.integers(1, 400), max_size=6))
+def test_any_mix_of_requests_on_one_connection_is_answered_in_order(tokenizer, names, cuts) -> None:
+    """Requests of both kinds, pipelined on one connection and sent in pieces cut anywhere:
+    each is answered, in order; the fast path serves plain ones until the first it does not
+    take, and hypercorn serves the rest; the server then serves a new connection."""
+    data = b"".join(_REQUESTS[n][0] for n in names)
+    pieces, at = [], 0
+    for cut in cuts:
+        pieces.append(data[at:at + cut])
+        at += cut
+    pieces.append(data[at:])
+    fast = 0
+    for name in names:
+        if not _REQUESTS[name][1]:
+            break
+        fast += 1
+
+    async def main() -> None:
+        seen: list[str] = []
+        run = http1.Exchange.run
+
+        async def counting(self: http1.Exchange) -> None:
+            seen.append(self.head.target.decode())
+            await run(self)
+
+        app = make_app(tokenizer)
+        with pytest.MonkeyPatch.context() as patch, trio.fail_after(30):
+            patch.setattr(http1.Exchange, "run", counting)
+            async with served(app) as (port, _):
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                async with stream:
+                    for piece in pieces:
+                        if piece:
+                            await stream.send_all(piece)
+                            await wait_all_tasks_blocked()
+                    client = h11.Connection(h11.CLIENT)
+                    for name in names:
+                        method = b"HEAD" if name == "head" else b"GET" if "probe" in name else b"POST"
+                        target = "/health" if method != b"POST" else "/v1/completions"
+                        client.send(h11.Request(method=method, target=target,
+                                                headers=[("host", "x"), ("transfer-encoding", "chunked")]
+                                                if method == b"POST" else [("host", "x")]))
+                        if method == b"POST":
+                            client.send(h11.Data(data=_COMPLETION))
+                        client.send(h11.EndOfMessage())
+                        response, body = await read_response(stream, client)
+                        assert response.status_code == 200, (name, body)
+                        if method == b"POST":
+                            assert json.loads(body)["usage"]["completion_tokens"] == 1
+                        elif method == b"GET":
+                            assert json.loads(body) == {"status": "ok"}
+                        client.start_next_cycle()
+                # The fast path serves plain requests up to the first it does not take (one
+                # not plain, or a head cut short): never one after it.
+                assert len(seen) <= fast
+                if fast and b"\r\n\r\n" in pieces[0]:
+                    assert seen  # the first head came whole: the fast path took it
+                assert (await _raw_answer(port, _REQUESTS["probe"][0][:-2] +
+                                          b"connection: close\r\n\r\n")).startswith(b"HTTP/1.1 200")
+
+    trio.run(main)
