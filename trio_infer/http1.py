@@ -377,9 +377,9 @@ class Exchange:
     async def send(self, message: dict[str, Any]) -> None:
         kind = message["type"]
         if kind == "http.response.start" and not self.started:
+            data = self._head(int(message["status"]), message.get("headers", ()))  # may raise
             self.response = message
             self.started = True
-            data = self._head(int(message["status"]), message.get("headers", ()))
             if self.scope.pop(NEXT_SEND_FOLLOWS, False) is True:
                 self.held = data  # corked: it goes with the next send (change 5)
             else:
@@ -429,10 +429,10 @@ class Exchange:
                 raise ValueError("the server frames the body: no transfer-encoding from the app")
             elif lower == b"connection":
                 tokens.update(t.strip().lower() for t in value.split(b",") if t.strip())
-                self.close = self.close or b"close" in tokens
                 if rewrite:  # h11 writes its own Connection header below
                     continue
             lines.append(b"%b: %b\r\n" % (name, value))
+        self.close = self.close or b"close" in tokens  # (only once every header is valid)
         config = self.server.config
         if config.include_date_header:
             lines.append(_date(int(time.time())))

@@ -429,3 +429,30 @@ def test_any_mix_of_requests_on_one_connection_is_answered_in_order(tokenizer, n
                                           b"connection: close\r\n\r\n")).startswith(b"HTTP/1.1 200")
 
     trio.run(main)
+
+
+async def test_a_response_header_the_server_refuses_is_hypercorns_500(exchanges) -> None:
+    """An app that sends a header with a line break in it: the start is refused (the app sees
+    the error), and the client gets hypercorn's empty 500, as through hypercorn."""
+    from trio_infer import server
+
+    assert server.install()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"connection", b"close"), (b"x-a", b"b\r\nx-injected: 1")]})
+
+    request = b"GET /x HTTP/1.1\r\nhost: x\r\n"
+    with trio.fail_after(30):
+        async with served(app) as (port, _):
+            fast = await _raw_answer(port, request + b"\r\n")
+            slow = await _raw_answer(port, request + b"te: trailers\r\n\r\n")
+    assert _without_date(fast) == _without_date(slow)
+    assert fast.startswith(b"HTTP/1.1 500 \r\n") and b"injected" not in fast
+    assert exchanges == ["/x"]
