@@ -280,25 +280,34 @@ async def test_a_client_gone_before_its_first_token_frees_everything(tokenizer, 
     assert exchanges == ["/v1/chat/completions"]
 
 
-async def test_an_error_in_the_app_is_hypercorns_empty_500_and_a_close(exchanges) -> None:
+async def _both_ways(http: Any) -> tuple[bytes, bytes]:
+    """What a client reads for ``GET /x`` from an app whose HTTP requests ``http`` answers (the
+    changes installed, as the app's startup would): on the fast path, and through hypercorn."""
     from trio_infer import server
 
     assert server.install()
 
-    async def failing(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        raise RuntimeError("a bug")
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            return await http(scope, receive, send)
+        while (message := await receive())["type"] != "lifespan.shutdown":
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
 
     request = b"GET /x HTTP/1.1\r\nhost: x\r\n"
     with trio.fail_after(30):
-        async with served(failing) as (port, _):
+        async with served(app) as (port, _):
             fast = await _raw_answer(port, request + b"\r\n")
             slow = await _raw_answer(port, request + b"te: trailers\r\n\r\n")
+    return fast, slow
+
+
+async def test_an_error_in_the_app_is_hypercorns_empty_500_and_a_close(exchanges) -> None:
+    async def failing(scope: Any, receive: Any, send: Any) -> None:
+        raise RuntimeError("a bug")
+
+    fast, slow = await _both_ways(failing)
     assert _without_date(fast) == _without_date(slow)
     assert fast.startswith(b"HTTP/1.1 500 \r\n") and b"connection: close\r\n" in fast
     assert exchanges == ["/x"]
@@ -434,25 +443,11 @@ def test_any_mix_of_requests_on_one_connection_is_answered_in_order(tokenizer, n
 async def test_a_response_header_the_server_refuses_is_hypercorns_500(exchanges) -> None:
     """An app that sends a header with a line break in it: the start is refused (the app sees
     the error), and the client gets hypercorn's empty 500, as through hypercorn."""
-    from trio_infer import server
-
-    assert server.install()
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+    async def injecting(scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"connection", b"close"), (b"x-a", b"b\r\nx-injected: 1")]})
 
-    request = b"GET /x HTTP/1.1\r\nhost: x\r\n"
-    with trio.fail_after(30):
-        async with served(app) as (port, _):
-            fast = await _raw_answer(port, request + b"\r\n")
-            slow = await _raw_answer(port, request + b"te: trailers\r\n\r\n")
+    fast, slow = await _both_ways(injecting)
     assert _without_date(fast) == _without_date(slow)
     assert fast.startswith(b"HTTP/1.1 500 \r\n") and b"injected" not in fast
     assert exchanges == ["/x"]
