@@ -125,8 +125,9 @@ def _date(second: int) -> bytes:
     return b"date: " + format_date_time(second).encode("ascii") + b"\r\n"
 
 
-def _frame(data: bytes) -> bytes:
-    return b"%x\r\n%b\r\n" % (len(data), data)  # a chunk as h11's ChunkedWriter frames it
+def frame_chunk(data: bytes) -> bytes:
+    """``data`` as one chunk of a chunked body, framed as h11's ``ChunkedWriter`` frames it."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 class Connection:
@@ -393,7 +394,7 @@ class Exchange:
         data = self.held
         self.held = b""
         if body and not self.no_body:
-            data += _frame(body) if self.chunked else bytes(body)
+            data += frame_chunk(body) if self.chunked else bytes(body)
         if more:
             if self.scope.pop(NEXT_SEND_FOLLOWS, False) is True:
                 self.held = data
@@ -537,34 +538,49 @@ class BodyWriter:
         raise RuntimeError("not ready")
 
 
-class _Writer(BodyWriter):
-    """A fast-path response's chunks, framed and written straight to the connection (change
-    4), or from another task without a checkpoint (change 14); through :meth:`Exchange.send`
-    whenever something is held or to be held (change 5)."""
+class SocketWriter(BodyWriter):
+    """A response's chunks framed and written straight to its connection's socket (change 4),
+    or from another task without a checkpoint (change 14), whenever :meth:`direct` says the
+    response can take them that way; otherwise through the ASGI send. ``server`` is the
+    connection's ``TCPServer`` (server.py), whose ``send_raw`` and ``send_nowait`` keep the
+    connection's bytes in order. The fast path's responses (:class:`Exchange`) and hypercorn's
+    HTTP/1.1 streams (server.py) each say when in their own :meth:`direct`."""
 
     writes_nowait = True
 
-    def __init__(self, exchange: Exchange) -> None:
-        super().__init__(exchange.send)
-        self.exchange = exchange
-        self.server = exchange.server
+    def __init__(self, send: Callable[..., Any], server: Any) -> None:
+        super().__init__(send)
+        self.server = server
 
-    def _direct(self) -> bool:
-        exchange = self.exchange
-        return not exchange.held and not exchange.complete and not exchange.is_gone \
-            and NEXT_SEND_FOLLOWS not in exchange.scope
+    def direct(self) -> bool:
+        """Whether a chunk may go straight to the socket now."""
+        raise NotImplementedError
 
     async def __call__(self, data: bytes) -> None:
         if not data:
             await self.server.send_raw(b"")  # nothing, or what write_nowait left
-        elif self._direct():
-            await self.server.send_raw(_frame(data))
-        else:
-            await self.exchange.send({"type": "http.response.body", "body": data, "more_body": True})
+        elif self.direct():
+            await self.server.send_raw(frame_chunk(data))
+        else:  # corked or to cork (change 5), ended, gone: as the ASGI send does it
+            await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
     def ready(self) -> bool:
         server = self.server
-        return not server.rest and not server.send_lock.locked() and self._direct()
+        return not server.rest and not server.send_lock.locked() and self.direct()
 
     def write_nowait(self, data: bytes) -> bool:
-        return self.server.send_nowait(_frame(data)) if data else True
+        return self.server.send_nowait(frame_chunk(data)) if data else True
+
+
+class _Writer(SocketWriter):
+    """A fast-path response's chunks: straight to the socket unless something is held or to
+    be held (change 5), or the response ended or its client left."""
+
+    def __init__(self, exchange: Exchange) -> None:
+        super().__init__(exchange.send, exchange.server)
+        self.exchange = exchange
+
+    def direct(self) -> bool:
+        exchange = self.exchange
+        return not exchange.held and not exchange.complete and not exchange.is_gone \
+            and NEXT_SEND_FOLLOWS not in exchange.scope

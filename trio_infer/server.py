@@ -245,7 +245,7 @@ from hypercorn.config import Config
 
 from trio_infer.api.errors import RETRY_AFTER_S, SERVER_ERROR, error_body
 from trio_infer.api.sse import NEXT_SEND_FOLLOWS, dumps
-from trio_infer.http1 import BodyWriter, Connection, Exchange, Termination
+from trio_infer.http1 import BodyWriter, Connection, Exchange, SocketWriter, Termination, frame_chunk
 from trio_infer.settings import Settings, Wiring
 
 log = logging.getLogger(__name__)
@@ -601,9 +601,9 @@ def install() -> bool:
 
         async def _serve(self) -> None:
             """Change 16: a plain TCP connection's plain requests on the fast path
-            (``http1.py``), then, from the first request it does not serve (or once the
-            connection waits for its next one), hypercorn's ``run`` with change 15: without
-            its TLS handshake attempt (the module's docstring says why)."""
+            (``http1.py``), then, from the first request it does not take, hypercorn's ``run``
+            with change 15: without its TLS handshake attempt (the module's docstring says
+            why)."""
             if type(self.stream) is not trio.SocketStream:
                 return await TCPServer.run(self)
             sock = self.stream.socket
@@ -837,9 +837,6 @@ def install() -> bool:
             server = None
         return protocol, server
 
-    def _frame(data: bytes) -> bytes:
-        return b"%x\r\n%b\r\n" % (len(data), data)  # a chunk as h11's ChunkedWriter frames it
-
     async def _send_message(self: Any, message: Any) -> None:
         """Change 4: a chunk of a chunked HTTP/1.1 body, framed as h11 frames it, written at once."""
         if message is not None and self.state is send_body and message["type"] == "http.response.body":
@@ -848,8 +845,8 @@ def install() -> bool:
             if found is not None:
                 protocol, server = found
                 if server is not None and server.corked is None:
-                    return await server.send_raw(_frame(data))  # what protocol_send would do
-                return await protocol.send(RawData(_frame(data)))
+                    return await server.send_raw(frame_chunk(data))  # what protocol_send would do
+                return await protocol.send(RawData(frame_chunk(data)))
         return await app_send(self, message)
 
     HTTPStream.app_send = _app_send  # type: ignore[method-assign]
@@ -913,33 +910,19 @@ def install() -> bool:
             return None
         return _DirectWriter(send, stream, found[0].connection, found[1])
 
-    class _DirectWriter(BodyWriter):
-        """Change 4's writer of one response's chunks, and change 14's :meth:`write_nowait`."""
-
-        writes_nowait = True
+    class _DirectWriter(SocketWriter):
+        """Change 4's writer of one hypercorn HTTP/1.1 response's chunks, and change 14's
+        ``write_nowait``: straight to the socket while h11 is sending the body and nothing is
+        corked or to cork."""
 
         def __init__(self, send: Any, stream: Any, connection: Any, server: Any) -> None:
-            self.send, self.stream, self.connection, self.server = send, stream, connection, server
+            super().__init__(send, server)
+            self.stream, self.connection = stream, connection
             self.scope = stream.scope
 
-        def _direct(self) -> bool:
+        def direct(self) -> bool:
             return self.server.corked is None and self.stream.state is send_body \
                 and self.connection.our_state is h11_send_body and NEXT_SEND_FOLLOWS not in self.scope
-
-        async def __call__(self, data: bytes) -> None:
-            if not data:
-                await self.server.send_raw(b"")  # nothing, or what write_nowait left
-            elif self._direct():
-                await self.server.send_raw(_frame(data))
-            else:  # corked or to cork (change 5), ended, closed: as the ASGI send does it
-                await self.send({"type": "http.response.body", "body": data, "more_body": True})
-
-        def ready(self) -> bool:
-            server = self.server
-            return not server.rest and not server.send_lock.locked() and self._direct()
-
-        def write_nowait(self, data: bytes) -> bool:
-            return self.server.send_nowait(_frame(data)) if data else True
 
     global _chunk_writer, _on_close
     _chunk_writer = chunk_writer

@@ -214,25 +214,35 @@ async def post_stream(client, path: str, body: dict[str, Any]) -> tuple[int, str
 
 
 @asynccontextmanager
-async def hypercorn_connection(app) -> AsyncIterator[trio.SocketStream]:  # type: ignore[no-untyped-def]
-    """A connection to ``app`` served in process by hypercorn's own trio server under its own
-    ``Config`` (what the bare ``hypercorn trio_infer.app:app`` command runs), on a free loopback
-    port; the server shuts down when the block ends."""
+async def served(app: Any, **config: Any) -> AsyncIterator[tuple[int, trio.Event]]:
+    """``app`` served in process by hypercorn's own trio server under its own ``Config`` (what
+    the bare ``hypercorn trio_infer.app:app`` command runs; ``config``: options set on it), on
+    a free loopback port; yields the port and the shutdown trigger, set when the block ends."""
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    config.accesslog = config.errorlog = None
+    cfg = Config()
+    cfg.bind = ["127.0.0.1:0"]
+    cfg.accesslog = cfg.errorlog = None
+    for name, value in config.items():
+        setattr(cfg, name, value)
     async with trio.open_nursery() as nursery:
         shutdown = trio.Event()
-        binds = await nursery.start(partial(serve, app, config, shutdown_trigger=shutdown.wait))
-        stream = await trio.open_tcp_stream("127.0.0.1", int(binds[0].rsplit(":", 1)[1]))
+        binds = await nursery.start(partial(serve, app, cfg, shutdown_trigger=shutdown.wait))
         try:
-            async with stream:
-                yield stream
+            yield int(binds[0].rsplit(":", 1)[1]), shutdown
         finally:
             shutdown.set()
+
+
+@asynccontextmanager
+async def hypercorn_connection(app) -> AsyncIterator[trio.SocketStream]:  # type: ignore[no-untyped-def]
+    """A connection to ``app`` :func:`served` in process; the server shuts down when the block
+    ends."""
+    async with served(app) as (port, _):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            yield stream
 
 
 async def exchange(app: Any, path: str, payload: dict, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bytes], list]:

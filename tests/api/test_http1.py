@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from contextlib import asynccontextmanager
-from functools import partial
-from typing import Any, AsyncIterator
+from typing import Any
 
 import h11
 import pytest
@@ -24,7 +22,7 @@ from trio.testing import wait_all_tasks_blocked
 from trio_infer import http1
 from trio_infer.http1 import NEED_MORE, Head, parse_head
 
-from .helpers import StepGate, all_zero, counts, make_app
+from .helpers import StepGate, all_zero, counts, make_app, served
 
 LIMIT = 16 * 1024
 
@@ -84,27 +82,6 @@ def test_an_unfinished_head_needs_more_within_the_limit_only() -> None:
 
 
 # -- what the client reads ---------------------------------------------------------------------
-
-@asynccontextmanager
-async def served(app: Any, **config: Any) -> AsyncIterator[tuple[int, trio.Event]]:
-    """``app`` served in process by hypercorn's own trio server under its own ``Config`` (the
-    bare command), on a free loopback port; yields the port and the shutdown trigger."""
-    from hypercorn.config import Config
-    from hypercorn.trio import serve
-
-    cfg = Config()
-    cfg.bind = ["127.0.0.1:0"]
-    cfg.accesslog = cfg.errorlog = None
-    for name, value in config.items():
-        setattr(cfg, name, value)
-    async with trio.open_nursery() as nursery:
-        shutdown = trio.Event()
-        binds = await nursery.start(partial(serve, app, cfg, shutdown_trigger=shutdown.wait))
-        try:
-            yield int(binds[0].rsplit(":", 1)[1]), shutdown
-        finally:
-            shutdown.set()
-
 
 @pytest.fixture
 def exchanges(monkeypatch: pytest.MonkeyPatch) -> list[str]:
