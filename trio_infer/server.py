@@ -725,7 +725,7 @@ def install() -> bool:
             (or it is broken): the rest is kept (``rest``) and goes out first with the
             connection's next write, which the caller should make soon (an empty one will
             do). Call only when nothing is corked, left over or holding the send lock
-            (``_DirectWriter.ready``)."""
+            (``SocketWriter.ready``)."""
             try:
                 sent = os.write(self.stream.socket.fileno(), data)
             except OSError:  # full (BlockingIOError) or broken: send_raw meets it again
