@@ -131,10 +131,10 @@ async def _serve(
     from hypercorn.trio import serve as hypercorn_serve
 
     from trio_infer.app import create_app, drain
-    from trio_infer.server import configure
+    from trio_infer.server import hypercorn_config
 
     app = create_app(settings, wiring=wiring, worker=worker)
-    config = configure(settings, wiring)  # hypercorn's configuration and our changes to it
+    config = hypercorn_config(settings, wiring)
     shutdown = trio.Event()
     grace = trio.CancelScope()
 

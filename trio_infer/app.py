@@ -34,7 +34,6 @@ import trio
 from hypercorn.utils import LifespanFailureError
 from quart_trio import QuartTrio
 
-from trio_infer import server
 from trio_infer.api import direct, health
 from trio_infer.api.errors import register_error_handlers
 from trio_infer.api.routes import register_routes
@@ -73,12 +72,38 @@ class App(QuartTrio):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         state: ServerState = self.extensions["trio_infer"]
+        if scope["type"] == "http":
+            send = _end_shielded(send)
         path = direct.route_path(scope)
         if path is not None:
             return await direct.serve(path, scope, receive, send, state)
         if health.is_plain_probe(scope, state.settings.max_header_bytes):
             return await health.answer(scope, send, state)
         return await self.asgi_app(scope, receive, send)
+
+
+def _end_shielded(send: Any) -> Any:
+    """``send`` with a response's last message sent under a shield.
+
+    hypercorn ends an HTTP/1.1 request inside that last ``send``: it tells the app
+    ``http.disconnect``, then restarts the connection's keep-alive timer (or, for a response that
+    says ``Connection: close``, shuts the socket). quart-trio answers the ``http.disconnect`` by
+    cancelling the request's nursery, which holds the task that is still inside ``send``; the
+    cancellation then lands in hypercorn's bookkeeping half-way, and the connection is left open
+    with no timer: an idle keep-alive connection was never closed. Under the shield hypercorn
+    finishes its part; the write itself is shielded by hypercorn already, so this waits for
+    nothing a cancellation could otherwise have cut short
+    (tests/runtime/test_connection_limits.py).
+    """
+
+    async def shielded(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            with trio.CancelScope(shield=True):
+                await send(message)
+        else:
+            await send(message)
+
+    return shielded
 
 
 def create_app(
@@ -112,11 +137,6 @@ def create_app(
 
     @app.before_serving
     async def _start_engine() -> None:
-        # Under bare ``hypercorn trio_infer.app:app`` too, every write goes out as server.py's
-        # change 3 writes it (its docstring says why this is the place), and a burst of new
-        # connections fits the listen backlog (``server.widen_backlogs`` says why).
-        server.install()
-        server.widen_backlogs()
         if loaded is None:
             app.nursery.start_soon(load_and_serve, app.nursery, state, worker)
         else:

@@ -245,14 +245,8 @@ class Settings(BaseSettings):
     # -- server -------------------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = 8000
-    # Connection limits (slowloris and the like). hypercorn 0.18 has no cap on concurrent
-    # connections: `serve` adds one (trio_infer/server.py), and the timeouts close idle or
-    # trickling ones.
-    max_connections: int = Field(
-        1000, ge=1, description="Open client connections per front-end process; one more is "
-        "answered 503 (OpenAI envelope, Connection: close) and closed at once, so a flood cannot "
-        "exhaust file descriptors (serve only; with --api-workers N, per front end).",
-    )
+    # Connection limits (slowloris and the like): the timeouts close idle or trickling
+    # connections; hypercorn has no cap on their number (README, "Connection limits").
     keep_alive_timeout_s: float = Field(
         5.0, gt=0, description="A connection that has not sent a complete request line and "
         "headers within this long (since it opened, or since its last response ended) is closed: "

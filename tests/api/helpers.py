@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from contextlib import asynccontextmanager
 from functools import partial
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import h11
-import pytest
 import trio
 
 from trio_infer.app import create_app
@@ -245,18 +243,9 @@ async def hypercorn_connection(app) -> AsyncIterator[trio.SocketStream]:  # type
             yield stream
 
 
-async def exchange(app: Any, path: str, payload: dict, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bytes], list]:
-    """One request on a fresh connection of an in-process hypercorn: the bytes of every
-    ``os.write`` of the response (in order: the server writes with ``os.write``, change 3; the
-    client sends with ``socket.send``), and the h11 events the client parsed from them."""
-    writes: list[bytes] = []
-    write = os.write
-
-    def recording_write(fd: int, data: Any) -> int:
-        sent = write(fd, data)
-        writes.append(bytes(data[:sent]))
-        return sent
-
+async def exchange(app: Any, path: str, payload: dict) -> list:
+    """One request on a fresh connection of an in-process hypercorn: the h11 events the client
+    parsed from the response, up to its end."""
     body = json.dumps(payload).encode()
     request = (b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                b"content-length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
@@ -266,7 +255,6 @@ async def exchange(app: Any, path: str, payload: dict, monkeypatch: pytest.Monke
     client.send(h11.Data(data=body))
     client.send(h11.EndOfMessage())
     events: list = []
-    monkeypatch.setattr(os, "write", recording_write)
     with trio.fail_after(30):
         async with hypercorn_connection(app) as stream:
             await stream.send_all(request)
@@ -278,7 +266,7 @@ async def exchange(app: Any, path: str, payload: dict, monkeypatch: pytest.Monke
                     events.append(event)
                     if type(event) is h11.EndOfMessage:
                         break
-    return writes, events
+    return events
 
 
 def body_text(events: list) -> str:

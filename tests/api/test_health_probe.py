@@ -1,6 +1,5 @@
 """``/health`` answered before quart (api/health.py) says what quart's route says, and the bare
-``hypercorn trio_infer.app:app`` command writes responses as ``serve`` does (server.py's change 3,
-installed by the app's startup)."""
+``hypercorn trio_infer.app:app`` command serves a whole stream."""
 
 from __future__ import annotations
 
@@ -9,13 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import h11
-import trio
 
 from trio_infer.api.health import is_plain_probe
 from trio_infer.app import create_app
 from trio_infer.settings import Settings
 
-from .helpers import hypercorn_connection, make_app, running, state
+from .helpers import body_text, exchange, make_app, running, state
 
 
 def through_quart(app: Any) -> list[str]:
@@ -109,57 +107,14 @@ async def test_a_loading_server_answers_503_with_retry_after() -> None:
     assert json.loads(body["body"])["error"]["message"] == "loading"
 
 
-async def test_bare_hypercorn_writes_each_chunk_in_one_os_write(tokenizer, monkeypatch) -> None:
-    """Under hypercorn's own ``Config`` (the bare command), once the app started, no response
-    write goes through trio's ``SocketStream.send_all`` (hypercorn's path) when the socket takes
-    it at once (change 3 of server.py), no body chunk through h11 (change 4), and the response
-    is still valid chunked HTTP/1.1 carrying the whole stream: both installed by the app's
-    lifespan."""
-    calls: list[int] = []
-    original = trio.SocketStream.send_all
-    h11_send = h11.Connection.send
-    h11_chunks: list[int] = []
-
-    async def counting_send_all(self: Any, data: Any) -> None:
-        calls.append(len(data))
-        await original(self, data)
-
-    def counting_h11_send(self: Any, event: Any) -> Any:
-        if type(event) is h11.Data:
-            h11_chunks.append(len(event.data))
-        return h11_send(self, event)
-
-    monkeypatch.setattr(trio.SocketStream, "send_all", counting_send_all)
-    monkeypatch.setattr(h11.Connection, "send", counting_h11_send)
-    app = make_app(tokenizer)
-    body = json.dumps({"model": "fake", "prompt": "hi", "max_tokens": 8, "stream": True}).encode()
-    # A TE header (which h11 ignores) sends the request through hypercorn's HTTP/1.1 protocol,
-    # not server.py's change 16 (which never uses h11 for a body).
-    request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-               b"connection: close\r\nte: trailers\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-
-    with trio.fail_after(30):
-        async with hypercorn_connection(app) as stream:
-            await original(stream, request)
-            received = b""
-            while not received.endswith(b"\r\n0\r\n\r\n"):  # hypercorn keeps the socket
-                received += await stream.receive_some()
-    assert received.startswith(b"HTTP/1.1 200")
-    assert calls == [] and h11_chunks == []
-    client = h11.Connection(h11.CLIENT)
-    client.send(h11.Request(method="POST", target="/v1/completions",
-                            headers=[("host", "x"), ("content-length", str(len(body)))]))
-    client.send(h11.Data(data=body))
-    client.send(h11.EndOfMessage())
-    client.receive_data(received)
-    events = []
-    while (event := client.next_event()) is not h11.NEED_DATA:
-        events.append(event)
-        if type(event) is h11.EndOfMessage:
-            break
+async def test_a_stream_under_bare_hypercorn_is_valid_chunked_http(tokenizer) -> None:
+    """Under hypercorn's own ``Config`` (what the bare command runs), a streamed completion is
+    valid chunked HTTP/1.1 that h11, as a client, parses to the whole stream."""
+    events = await exchange(make_app(tokenizer), "/v1/completions",
+                            {"model": "fake", "prompt": "hi", "max_tokens": 8, "stream": True})
     assert type(events[0]) is h11.Response and events[0].status_code == 200
     assert type(events[-1]) is h11.EndOfMessage
-    text = b"".join(e.data for e in events if type(e) is h11.Data).decode()
+    text = body_text(events)
     chunks = [json.loads(line[len("data: "):]) for line in text.split("\n\n")
               if line.startswith("data: {")]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -19,19 +19,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any
-from unittest import mock
 
 import trio
 import trio.testing
 from quart_trio.testing.connections import TestHTTPConnection
 
-from trio_infer import server
-from trio_infer.api import respond
 from trio_infer.app import create_app, drain
 from trio_infer.api.state import server_state
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import AsyncEngine
-from trio_infer.server import BodyWriter
 
 from .char_tokenizer import CharTokenizer
 from .invariants import check_front_idle, check_worker_idle
@@ -74,61 +70,9 @@ class YieldingConnection(TestHTTPConnection):
         nursery.start_soon(self.tracker, self.scope, self._asgi_receive, self._asgi_send)
         return self
 
-    # What InlineWriter.write_nowait could not hand over at once: sent before anything else,
-    # as server.py's connection sends a socket's unsent rest first (change 14).
-    rest: bytes | None = None
-
     async def _asgi_send(self, message: dict) -> None:
         await trio.lowlevel.checkpoint()
-        if self.rest is not None:
-            rest, self.rest = self.rest, None
-            await super()._asgi_send({"type": "http.response.body", "body": rest, "more_body": True})
-        if message["type"] == "http.response.body" and not message.get("body") \
-                and message.get("more_body"):
-            return  # an empty write (what flushes the rest) is no message
         await super()._asgi_send(message)
-
-
-class InlineWriter(BodyWriter):
-    """server.py's body writer for a test connection, so the streams of the suite take reads
-    where they arrive (``TextStream.handle``) as over a socket: :meth:`write_nowait` puts a chunk
-    in the client's channel when it has room (``SEND_BUFFER``: the socket's send buffer), and a chunk
-    that does not fit is the connection's rest, sent before its next message
-    (:class:`YieldingConnection`), as a socket's unsent rest is."""
-
-    writes_nowait = True
-
-    def __init__(self, send: Any) -> None:
-        super().__init__(send)
-        self.connection: YieldingConnection = send.__self__
-
-    async def __call__(self, data: bytes) -> None:
-        await self.send({"type": "http.response.body", "body": data, "more_body": True})
-
-    def ready(self) -> bool:
-        return self.connection.rest is None
-
-    def write_nowait(self, data: bytes) -> bool:
-        channel = self.connection._client_send
-        if channel.statistics().current_buffer_used < self.SEND_BUFFER:
-            try:
-                channel.send_nowait(data)
-                return True
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the next send meets the gone client, as a socket's would
-        self.connection.rest = data
-        return False
-
-    # Chunks the client has not read that a write still takes at once: smaller than the
-    # channel, so that a client that reads slowly leaves rests (any bound would do).
-    SEND_BUFFER = 2
-
-
-def body_writer(send: Any) -> BodyWriter:
-    """``server.body_writer``, with :class:`InlineWriter` for the suite's connections."""
-    if isinstance(getattr(send, "__self__", None), YieldingConnection):
-        return InlineWriter(send)
-    return server.body_writer(send)
 
 
 class AsgiTracker:
@@ -363,5 +307,5 @@ def run_http_scenario(sc: HttpScenario) -> HttpReport:
     RUNTIME_ERRORS.errors.clear()
     clock = trio.testing.MockClock(autojump_threshold=0)
     guard = SpinGuard()
-    with as_assertion(), mock.patch.object(respond, "body_writer", body_writer):
+    with as_assertion():
         return trio.run(_http_main, sc, guard, clock=clock, instruments=[guard])

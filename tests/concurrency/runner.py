@@ -182,27 +182,12 @@ class TappedStream:
         except EngineError as exc:
             log.ended, log.error = self._tap.probe.now(), exc
             raise
-        if outputs:  # (empty: its handler took the read and woke it; the tap logged that)
-            self._tap.took(log, outputs)
+        self._tap.took(log, outputs)
         return outputs
 
     def finish(self, index: int) -> None:
         self._log.finishes.append((self._tap.probe.now(), index))
         self._stream.finish(index)
-
-    def handle(self, handler: Any) -> None:
-        """``GenerationStream.handle``, with what the handler takes logged as a read."""
-
-        def tapped(outputs: list[Output]) -> bool:
-            if not handler(outputs):
-                return False
-            self._tap.took(self._log, outputs)
-            return True
-
-        self._stream.handle(tapped)
-
-    def wake(self) -> None:
-        self._stream.wake()
 
     async def admitted(self) -> None:
         """What a held stream waits for (``GenerationStream.admitted``); an error there is the

@@ -4,9 +4,12 @@ each limit is tripped by a raw socket while another client is served meanwhile.
 The limits (README, "Connection limits"): ``keep_alive_timeout_s`` closes a connection that has
 not sent a complete request head in time (idle keep-alive and header slowloris alike) but never
 one whose request is being answered; ``max_header_bytes`` refuses a bigger head with 431;
-``body_timeout_s`` answers 408 to a body that trickles in too slowly; ``max_connections`` (which
-hypercorn 0.18 lacks: trio_infer/server.py adds it) refuses one connection more at once. An
-idle keep-alive connection is closed after a response too only thanks to trio_infer/server.py.
+``body_timeout_s`` answers 408 to a body that trickles in too slowly. hypercorn has no cap on
+the number of connections: many idle ones all get in and are all closed by the timeout.
+
+An idle keep-alive connection is closed after a response, and a ``Connection: close`` answer's
+socket after it is sent, because the app sends a response's last message under a shield
+(``app._end_shielded`` says why hypercorn's own bookkeeping needs it under quart-trio).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from .test_worker_process import free_port, health, wait_for
 KEEP_ALIVE_S = 1.0
 BODY_TIMEOUT_S = 1.0
 MAX_HEADER_BYTES = 4096
-MAX_CONNECTIONS = 32
+IDLE_CONNECTIONS = 64
 SLACK_S = 1.5  # scheduling on a busy 2-core machine
 
 
@@ -62,8 +65,7 @@ def _serving(cache_dir: Path, *flags: str) -> Iterator[str]:
 def url(cache_dir: Path) -> Iterator[str]:
     yield from _serving(
         cache_dir, "--fake-step-ms", "5", "--keep-alive-timeout-s", str(KEEP_ALIVE_S),
-        "--body-timeout-s", str(BODY_TIMEOUT_S), "--max-header-bytes", str(MAX_HEADER_BYTES),
-        "--max-connections", str(MAX_CONNECTIONS))
+        "--body-timeout-s", str(BODY_TIMEOUT_S), "--max-header-bytes", str(MAX_HEADER_BYTES))
 
 
 def connect(url: str) -> socket.socket:
@@ -133,14 +135,16 @@ def test_header_slowloris_is_closed_after_keep_alive_timeout(url: str) -> None:
     served(url)
 
 
-def test_idle_keep_alive_connection_is_closed(url: str) -> None:
-    """Failed before trio_infer/server.py: hypercorn 0.18 under quart-trio lost the idle timer
-    after every response, so this connection stayed open for good."""
+@pytest.mark.parametrize("path", ["/health", "/v1/models"])
+def test_idle_keep_alive_connection_is_closed(url: str, path: str) -> None:
+    """After a route quart serves (``/v1/models``) as after one the app answers before quart
+    (``/health``). Without the app's shielded last send, hypercorn's idle timer is lost under
+    quart-trio after every response of quart's, and that connection stays open for good."""
     sock = connect(url)
     for _ in range(2):  # keep-alive still works: a second request on the same connection
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
         head, body, _ = read_response(sock, timeout=5)
-        assert head.startswith(b"HTTP/1.1 200") and body == b'{"status":"ok"}', head
+        assert head.startswith(b"HTTP/1.1 200") and body.startswith(b'{'), head
     data, took = read_until_closed(sock, timeout=KEEP_ALIVE_S + SLACK_S + 2)
     sock.close()
     assert data == b""
@@ -198,11 +202,13 @@ def test_body_slowloris_gets_408_after_the_body_timeout(url: str) -> None:
 
 
 @pytest.mark.parametrize("keeps_sending", [True, False])
-def test_the_connection_of_a_408_is_closed(url: str, keeps_sending: bool) -> None:
-    """hypercorn 0.18 left a Connection: close response's socket open as long as the client kept
-    it (trio_infer/server.py): now it is closed keep_alive_timeout after the 408."""
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/responses"])
+def test_the_connection_of_a_408_is_closed(url: str, keeps_sending: bool, path: str) -> None:
+    """A ``Connection: close`` answer's socket is closed once it is sent, whether the client
+    keeps sending or not, on a route quart serves (``/v1/responses``) as on one the app answers
+    before quart: hypercorn shuts it down from inside the app's last send."""
     sock = connect(url)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{" % path.encode())
     if keeps_sending:
         Trickle(sock, forever(b" "), every=0.2).start()
     try:
@@ -247,9 +253,9 @@ def test_headers_over_the_limit_get_431(url: str) -> None:
 
 
 def test_idle_connections_are_reclaimed(url: str) -> None:
-    """Connections that send nothing, as many as the cap leaves room for, all get in, the server
-    serves others meanwhile, and every one is closed after the keep-alive timeout."""
-    socks = [connect(url) for _ in range(MAX_CONNECTIONS // 2)]  # room for earlier tests' leftovers
+    """Connections that send nothing all get in (there is no cap), the server serves others
+    meanwhile, and every one is closed after the keep-alive timeout."""
+    socks = [connect(url) for _ in range(IDLE_CONNECTIONS)]
     served(url)
     start = time.monotonic()
     for sock in socks:
@@ -258,73 +264,3 @@ def test_idle_connections_are_reclaimed(url: str) -> None:
         sock.close()
     assert time.monotonic() - start < KEEP_ALIVE_S + SLACK_S + 1
     served(url)
-
-
-def test_connections_past_the_cap_are_refused_at_once(url: str) -> None:
-    """With ``max_connections`` open, one more reads a 503 in the OpenAI envelope and is closed
-    at once (its file descriptor freed); a stream already running goes on to its end; once the
-    idle connections are closed (keep-alive timeout), new clients are served again."""
-    body = {"model": "fake", "prompt": "hi", "max_tokens": 200, "stream": True, "ignore_eos": True}
-    with httpx.Client(timeout=20) as client, client.stream("POST", url + "/v1/completions",
-                                                            json=body) as stream:
-        assert stream.status_code == 200
-        socks = [connect(url) for _ in range(MAX_CONNECTIONS + 5)]  # the stream holds one more
-        replies = [read_until_closed(sock, timeout=KEEP_ALIVE_S + SLACK_S + 5) for sock in socks]
-        for sock in socks:
-            sock.close()
-        refused = [(data, took) for data, took in replies if data]
-        assert len(refused) >= 6, [len(d) for d, _ in replies]
-        for data, _ in refused:
-            head, _, payload = data.partition(b"\r\n\r\n")
-            assert head.startswith(b"HTTP/1.1 503") and b"connection: close" in head.lower()
-            error = json.loads(payload)["error"]
-            assert error["code"] == "too_many_connections" and error["type"] == "server_error"
-        # The others were let in and then closed, idle, after the keep-alive timeout.
-        assert all(data == b"" for data, _ in replies if not data.startswith(b"HTTP"))
-        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
-        assert not any("error" in e for e in events)
-        assert events[-1]["choices"][0]["finish_reason"] == "length"  # all 200 tokens
-    wait_for(lambda: health(url) == 200, 10, "a new connection to be served")
-    served(url)
-
-
-
-PATIENT_KEEP_ALIVE_S = 60.0  # far longer than the test: only a closed connection can free a slot
-PATIENT_MAX_CONNECTIONS = 4
-
-
-@pytest.fixture(scope="module")
-def patient_url(cache_dir: Path) -> Iterator[str]:
-    yield from _serving(
-        cache_dir, "--keep-alive-timeout-s", str(PATIENT_KEEP_ALIVE_S),
-        "--max-connections", str(PATIENT_MAX_CONNECTIONS))
-
-
-def _health_on_a_new_connection(url: str, deadline: float) -> socket.socket:
-    """A new connection whose ``GET /health`` was answered 200 (kept open); one refused at the
-    cap (503) is retried until ``deadline`` (the server may not have seen the last closes yet)."""
-    while True:
-        sock = connect(url)
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
-        data = sock.recv(65536)
-        if data.startswith(b"HTTP/1.1 200"):
-            return sock
-        sock.close()
-        assert data.startswith(b"HTTP/1.1 503"), data[:200]
-        assert time.monotonic() < deadline, "refused at the cap: closed connections still count"
-        time.sleep(0.05)
-
-
-def test_a_connection_the_client_closed_no_longer_counts_against_the_cap(
-    patient_url: str,
-) -> None:
-    """server.py change 6: once the client closes a kept-alive connection, it stops counting
-    against ``max_connections`` at once, not after ``keep_alive_timeout`` (hypercorn's idle
-    timer held the connection's task until then: with a 60 s timeout the second round here
-    was refused for a minute)."""
-    deadline = time.monotonic() + 15  # a quarter of the keep-alive timeout
-    for _ in range(3):
-        socks = [_health_on_a_new_connection(patient_url, deadline)
-                 for _ in range(PATIENT_MAX_CONNECTIONS)]
-        for sock in socks:
-            sock.close()

@@ -1,8 +1,7 @@
 """``/v1/chat/completions`` and ``/v1/completions``, answered at the ASGI layer, before quart.
 
 Why: these two routes carry nearly all of the load, and quart's machinery around a request
-cost more than the request's own work. Profiled in a burst of 256 short chat streams (issue 21,
-docs/benchmarks.md, round 2), the front end spent ~2.3 ms of CPU per request, of which quart's
+cost more than the request's own work. Profiled in a burst of 256 short chat streams, the front end spent ~2.3 ms of CPU per request, of which quart's
 dispatch (request context, hooks, the handler's call) ~380 us and quart's ``_send_response``
 around the writes ~700 us; every awaited hop of quart's is also a round of the run loop that
 each of 256 streams waits behind. Here a request is read from ASGI ``receive`` and answered with
@@ -22,12 +21,10 @@ envelope and headers: ``tests/api/test_direct_routes.py``):
 3. the API key (401);
 4. the method: ``POST`` (``OPTIONS`` answered as quart answers it, anything else 405 with
    ``Allow``);
-5. the route, in a cancel scope that is cancelled when the client goes away (quart-trio did
-   the same): a client gone mid-request or mid-stream leaves the session's block, which aborts
-   it in the engine. Under hypercorn's HTTP/1.1 the connection's close cancels the scope
-   itself (``server.cancel_on_close``: no task per request); elsewhere a task waits for
-   ``http.disconnect`` and cancels it. hypercorn also sends ``http.disconnect`` once the
-   response is complete; by then the route has finished.
+5. the route, in a cancel scope that is cancelled when the client goes away (quart-trio does
+   the same): a task waits for ``http.disconnect`` and cancels it, so a client gone mid-request
+   or mid-stream leaves the session's block, which aborts it in the engine. hypercorn also
+   sends ``http.disconnect`` once the response is complete; by then the route has finished.
 
 Errors become :func:`errors.error_of`'s answers before the response starts and events after
 (``respond.open_stream``), as on quart.
@@ -54,7 +51,6 @@ from trio_infer.api.protocol import (
 )
 from trio_infer.api.respond import TIMEOUT_HEADER, complete, open_stream, request_timeout
 from trio_infer.api.state import ServerState
-from trio_infer.server import body_writer, cancel_on_close, received
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -116,7 +112,7 @@ async def _read_body(receive: Receive, declared: str | None, limit: int,
     size = 0
     with trio.move_on_after(timeout_s if timeout_s is not None else float("inf")) as waited:
         while True:
-            message = received(receive) or await receive()  # (server.py, change 13)
+            message = await receive()
             if message["type"] == "http.disconnect":
                 return None
             if message["type"] != "http.request":
@@ -165,15 +161,10 @@ async def serve(path: str, scope: dict[str, Any], receive: Receive, send: Send,
             raise MethodNotAllowed(valid_methods=_ALLOW.split(", "))
     except Exception as exc:  # noqa: BLE001 - every error is an answer
         return await _send_error(send, error_of(exc), close=not body_read)
-    cancel = trio.CancelScope()
-    if cancel_on_close(send, cancel):  # hypercorn's HTTP/1.1: no watching task (server.py)
-        with cancel:
-            await _route(path, raw, headers, scope, send, state)
-        return
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
         try:
-            await _route(path, raw, headers, scope, send, state)
+            await _route(path, raw, headers, send, state)
         finally:
             nursery.cancel_scope.cancel()
 
@@ -191,8 +182,8 @@ async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> No
     scope.cancel()
 
 
-async def _route(path: str, raw: bytes, headers: dict[str, str], scope: dict[str, Any],
-                 send: Send, state: ServerState) -> None:
+async def _route(path: str, raw: bytes, headers: dict[str, str], send: Send,
+                 state: ServerState) -> None:
     started = False
     try:
         state = state.ready()
@@ -209,21 +200,18 @@ async def _route(path: str, raw: bytes, headers: dict[str, str], scope: dict[str
         if not plan.stream:
             obj = await complete(state, plan, timeout_s=timeout_s)
             body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-            scope[sse.NEXT_SEND_FOLLOWS] = True  # headers and body in one write (change 5)
             await send({"type": "http.response.start", "status": 200, "headers": [
                 _JSON, (b"content-length", str(len(body)).encode())]})
             started = True
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
-        content = await open_stream(state, plan, scope, timeout_s=timeout_s, send=send)
+        content = await open_stream(state, plan, timeout_s=timeout_s)
     except Exception as exc:  # noqa: BLE001 - before the status: every error is an answer
         if started:
             raise
-        scope.pop(sse.NEXT_SEND_FOLLOWS, None)
         return await _send_error(send, error_of(exc), close=False)
     async with aclosing(content):
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-        write = body_writer(send)
         async for chunk in content:
-            await write(chunk.encode())
+            await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})

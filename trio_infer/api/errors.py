@@ -1,11 +1,11 @@
 """OpenAI-format errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
 
 Every path that can answer with an error goes through here, including Quart's own (404 route,
-405 method, 413 body too large), pydantic's validation errors and the 503 that ``server.py``
-sends a connection past the cap, so a client never sees an HTML page or FastAPI-style ``detail``
-list. A 503 is always of type ``server_error`` (its ``code`` says why). Overload refusals are 429
-of type ``rate_limit_error`` with ``Retry-After`` (the code names the limit: ``queue_full``,
-``queue_tokens``, ``queue_time``); a request's deadline is 504 ``timeout`` (param ``timeout``). Nothing internal (tracebacks, exception reprs of unexpected
+405 method, 413 body too large) and pydantic's validation errors, so a client never sees an HTML
+page or FastAPI-style ``detail`` list. A 503 is always of type ``server_error`` (its ``code`` says
+why). Overload refusals are 429 of type ``rate_limit_error`` with ``Retry-After`` (the code names
+the limit: ``queue_full``, ``queue_tokens``, ``queue_time``); a request's deadline is 504
+``timeout`` (param ``timeout``). Nothing internal (tracebacks, exception reprs of unexpected
 errors) is leaked; the log gets the details.
 
 Anthropic's ``/v1/messages`` answers the same errors in Anthropic's envelope
@@ -36,10 +36,9 @@ log = logging.getLogger(__name__)
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 RATE_LIMIT_ERROR = "rate_limit_error"
-# Seconds a client is told to wait after the connection cap's 503 (server.py). The queue's 429s
-# compute theirs from the measured drain rate (runtime/router.py: Router.retry_after).
-RETRY_AFTER_S = 1
-# ... and after a 503 while the model loads (seconds to minutes: no point asking every second).
+# Seconds a client is told to wait after a 503 while the model loads (seconds to minutes: no point
+# asking every second). The queue's 429s compute theirs from the measured drain rate
+# (runtime/router.py: Router.retry_after).
 LOADING_RETRY_AFTER_S = 5
 
 

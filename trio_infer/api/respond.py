@@ -4,7 +4,7 @@
 
 Two layers send them: quart (``routes.py``: the Responses and Anthropic APIs) and the ASGI layer
 before quart (``direct.py``: chat and completions, the hot routes). Both take the request's data
-as arguments (its ASGI ``scope``, its timeout header) rather than from quart's request context,
+as arguments (its timeout header) rather than from quart's request context,
 so the route logic exists once.
 """
 
@@ -15,7 +15,6 @@ import math
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable
 
-from trio_infer.api import sse
 from trio_infer.api.errors import APIError, from_engine_error, internal_error
 from trio_infer.api.events import ResponseEvents
 from trio_infer.api.plans import Plan
@@ -24,11 +23,9 @@ from trio_infer.api.state import ServerState
 from trio_infer.runtime.errors import EngineError
 from trio_infer.runtime.text_stream import (
     ChoiceDelta,
-    ChoiceTexts,
     TextOptions,
     open_batch_text_stream,
 )
-from trio_infer.server import BodyWriter, body_writer
 
 log = logging.getLogger(__name__)
 
@@ -88,24 +85,8 @@ async def _resumed(first: str, rest: Any) -> Any:
             yield chunk
 
 
-def _write_where_they_arrive(text: ChoiceTexts, render: Callable[[list[ChoiceDelta]], str | None],
-                             writer: BodyWriter) -> None:
-    """From here on, a read of ``text`` that ends nothing is rendered and written in the task
-    that delivers it, when ``writer`` can write at once (``TextStream.handle``, server.py's
-    change 14), and the body is not woken for it. A write the socket takes only in part wakes
-    the body, whose next chunk (``""``) has the writer send the rest."""
-
-    def handle(deltas: list[ChoiceDelta]) -> None:
-        chunks = render(deltas)
-        if chunks is not None and not writer.write_nowait(chunks.encode()):
-            text.wake()
-
-    text.handle(handle, writer.ready)
-
-
-async def open_stream(state: ServerState, plan: Plan, scope: dict[str, Any],
-                      make: MakeSerializer = serializer,
-                      timeout_s: float | None = None, send: Any = None) -> AsyncIterator[str]:
+async def open_stream(state: ServerState, plan: Plan, make: MakeSerializer = serializer,
+                      timeout_s: float | None = None) -> AsyncIterator[str]:
     """A stream's body (an async generator of SSE text: close it), once admission said yes.
 
     Admission before the response starts: a full queue or a draining server is still a real
@@ -121,34 +102,17 @@ async def open_stream(state: ServerState, plan: Plan, scope: dict[str, Any],
 
     Without a queue-time limit the status is decided (200: the request was admitted) but goes
     out with the stream's first output, not before: the opening chunk (chat's role, the other
-    APIs' start events) is held and joins the first chunk the model gives, and the headers
-    wait for both (the scope is marked, ``sse.NEXT_SEND_FOLLOWS``, so server.py's change 5
-    writes them in one write). llama-server, too, sends its status with the first output. Why:
-    one write a stream before its first token instead of two; in a
-    burst of new streams each of those writes is work the front end does before it reads the
-    next request (a burst's first tokens came 4-7% sooner: docs/benchmarks.md, the fourteenth
-    stop). An error before the first output is still an event after the status, as before.
-
-    ``scope`` is the request's ASGI scope: the body marks it (``sse.NEXT_SEND_FOLLOWS``) where
-    the next send follows at once (server.py, change 5).
-
-    ``send``, the request's ASGI send, where the caller writes the yielded chunks through
-    ``server.body_writer(send)`` (direct.py): once the status and the first output are out, a
-    read that ends nothing is rendered and written in the task that delivers it
-    (``TextStream.handle``, server.py's change 14) rather than waking this body for it, and
-    the body yields ``""`` when such a write left bytes for the caller's writer to send."""
+    APIs' start events) is held and joins the first chunk the model gives. llama-server, too,
+    sends its status with the first output. Why: one write a stream before its first token
+    instead of two; in a burst of new streams each of those writes is work the front end does
+    before it reads the next request. An error before the first output is still an event after
+    the status."""
     state.engine.check_admission(plan.num_choices, _queued_tokens(plan))
     engine, tokenizer, interval = state.engine, state.tokenizer, state.settings.stream_interval
     events = ResponseEvents(plan)
     writer = make(plan, state.texts)
     hold = state.settings.max_queue_time_s is not None
     first = writer.first()
-    if first or not hold:
-        # The headers go out with the body's first message (server.py, change 5): the opening
-        # chunk, with hold (the status waits for the scheduling, then goes with it); else the
-        # opening chunk and the first output together. With hold and no opening chunk
-        # (completions), the status goes once the request is scheduled.
-        scope[sse.NEXT_SEND_FOLLOWS] = True
 
     async def body():  # type: ignore[no-untyped-def]
         # Trap 5: no request context in here; everything needed was captured above.
@@ -172,22 +136,12 @@ async def open_stream(state: ServerState, plan: Plan, scope: dict[str, Any],
                     # With continuous_usage_stats (chat, completions) the chunks carry usage.
                     return writer.write(said) if counts is None else writer.write(said, counts)
 
-                handled = send is None  # whether reads are taken where they arrive (below)
                 async for deltas in text:
-                    if not deltas:  # such a read's write left bytes: the writer sends them first
-                        yield ""
-                        continue
                     chunks = render(deltas)
                     if chunks is not None:
                         if held:
                             chunks, held = held + chunks, ""
                         yield chunks
-                        if not handled and not text.finished:
-                            # The status and the first output are out, and more is to come.
-                            handled = True
-                            direct = body_writer(send)
-                            if direct.writes_nowait:
-                                _write_where_they_arrive(text, render, direct)
             tail = writer.end(text.choices)
         except EngineError as exc:
             if not sent:
@@ -199,7 +153,6 @@ async def open_stream(state: ServerState, plan: Plan, scope: dict[str, Any],
                 raise
             log.exception("error while streaming a response")
             tail = writer.failed(internal_error())
-        scope[sse.NEXT_SEND_FOLLOWS] = True  # the end of the body follows: one write for both
         yield held + tail
 
     content = body()

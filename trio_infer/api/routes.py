@@ -283,9 +283,8 @@ async def _serve(state: ServerState, plan: Plan, make: MakeSerializer = serializ
     timeout_s = request_timeout(plan, request.headers.get(TIMEOUT_HEADER))
     if not plan.stream:
         body = await complete(state, plan, make, timeout_s)
-        request.scope[sse.NEXT_SEND_FOLLOWS] = True  # the body is bytes: headers and body in one write
         return json_response(body)
-    content = await open_stream(state, plan, request.scope, make, timeout_s)
+    content = await open_stream(state, plan, make, timeout_s)
     response = await make_response(content, 200, sse.HEADERS)
     response.timeout = None  # trap 1: Quart's 60 s RESPONSE_TIMEOUT would cut long streams
     return response

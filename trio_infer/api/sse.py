@@ -20,13 +20,6 @@ HEADERS = {
 }
 
 
-# A key of the ASGI scope: the routes set it to True right before an ASGI send that the next send
-# follows without waiting (a response's start when its first body message is ready; a stream's
-# last chunk, which the end of the body follows), and the server then writes the two in one write
-# (server.py, change 5). The server takes the mark off when it acts on it.
-NEXT_SEND_FOLLOWS = "trio_infer.next_send_follows"
-
-
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 # A str as a JSON string literal: exactly what ``dumps`` writes for it (the C encoder that

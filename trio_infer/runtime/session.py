@@ -23,7 +23,7 @@ cancellation, and nothing waits.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import trio
 
@@ -196,31 +196,28 @@ class OutputQueue:
     """A session's outputs on their way to its reader: a trio memory channel's behaviour for
     one writer (the session, which never waits: a slot per credit is its bound, see
     ``router.py``) and one reader, plus :meth:`receive_batch`, which takes everything queued in
-    one wait, and :meth:`handle`, with which a parked reader takes outputs without waking.
+    one wait.
 
     Why not a memory channel: the reader of a stream wants all that is queued at each wake,
     and a channel gives that as ``receive()`` (two checkpoints when something is queued) then
     ``receive_nowait()`` until it raises ``WouldBlock``: at 256 streams x 20 ms steps the read,
     with the credits it gives back, was ~11% of the front end's CPU, ~8% with this queue
-    (py-spy, issue 21 round 4, docs/benchmarks.md). Here a delivery appends to a list and wakes
+    (py-spy). Here a delivery appends to a list and wakes
     the parked reader, which takes the whole list: one wait, no exception per read.
 
     As a channel: :meth:`send_nowait` and :meth:`close` are the writer's (after ``close`` the
     reader gets what is queued, then ``trio.EndOfChannel``); the reader's side is
-    :meth:`receive_nowait`, :meth:`receive_batch`, :meth:`handle`, :meth:`wake` and ``with
-    queue:`` (leaving it closes the reader's side: a later ``send_nowait`` raises
+    :meth:`receive_nowait`, :meth:`receive_batch` and ``with queue:`` (leaving it closes the reader's side: a later ``send_nowait`` raises
     ``trio.BrokenResourceError``).
     """
 
-    __slots__ = ("_items", "_ended", "_reader_gone", "_waiter", "_handler", "_nudged")
+    __slots__ = ("_items", "_ended", "_reader_gone", "_waiter")
 
     def __init__(self) -> None:
         self._items: list[RequestOutput] = []
         self._ended = False  # the writer closed it
         self._reader_gone = False
         self._waiter: trio.lowlevel.Task | None = None
-        self._handler: Callable[[list[RequestOutput]], bool] | None = None
-        self._nudged = False  # woken by wake(): the next read may be empty
 
     def __enter__(self) -> OutputQueue:
         return self
@@ -228,36 +225,14 @@ class OutputQueue:
     def __exit__(self, *exc: object) -> None:
         self._reader_gone = True
         self._items = []
-        self._handler = None
 
     def send_nowait(self, out: RequestOutput) -> None:
-        """Queue ``out`` and wake the reader, or, while the reader is parked in
-        :meth:`receive_batch` with a handler, offer the queue to the handler first: what it takes
-        never reaches the reader, which stays parked."""
+        """Queue ``out`` and wake the reader."""
         if self._ended:
             raise trio.ClosedResourceError("the session's outputs already ended")
         if self._reader_gone:
             raise trio.BrokenResourceError("the reader left")
         self._items.append(out)
-        handler = self._handler
-        if handler is not None and self._waiter is not None and handler(self._items):
-            self._items = []
-            return
-        self._wake()
-
-    def handle(self, handler: Callable[[list[RequestOutput]], bool] | None) -> None:
-        """While the reader is parked in :meth:`receive_batch`, what is sent is offered to
-        ``handler`` (called in the writer's task, synchronously) before the reader is woken.
-        The handler returns True when it took the outputs (the reader will never see them; it
-        stays parked unless the handler calls :meth:`wake`), False to leave them untouched for
-        the reader. It must not raise. None removes it."""
-        self._handler = handler
-
-    def wake(self) -> None:
-        """The reader's own handler wants the reader in its task (a write to finish, an error
-        to raise): a parked reader returns from :meth:`receive_batch`, with an empty list if
-        nothing is queued."""
-        self._nudged = True
         self._wake()
 
     def close(self) -> None:
@@ -274,11 +249,10 @@ class OutputQueue:
 
     async def receive_batch(self) -> list[RequestOutput]:
         """Everything queued, waiting for the first if nothing is (one checkpoint either way);
-        ``trio.EndOfChannel`` once the writer closed it and all was taken; an empty list when
-        :meth:`wake` woke it with nothing queued (its handler took what came)."""
+        ``trio.EndOfChannel`` once the writer closed it and all was taken."""
         if self._reader_gone:
             raise trio.ClosedResourceError("the reader's side is closed")
-        if self._items or self._ended or self._nudged:
+        if self._items or self._ended:
             await trio.lowlevel.checkpoint()
         else:
             self._waiter = trio.lowlevel.current_task()
@@ -290,12 +264,8 @@ class OutputQueue:
             await trio.lowlevel.wait_task_rescheduled(abort)
         items = self._items
         if not items:
-            if self._ended:
-                raise trio.EndOfChannel
-            self._nudged = False
-            return items
+            raise trio.EndOfChannel  # woken only by a delivery or the end
         self._items = []
-        self._nudged = False
         return items
 
     def _wake(self) -> None:
@@ -330,26 +300,6 @@ class GenerationStream:
         """End choice ``index`` now, as a stop (a stop string matched in the text): its
         sequence stops costing compute. No-op if it already finished."""
         self._session.finish(index)
-
-    def handle(self, handler: Callable[[list[RequestOutput]], bool]) -> None:
-        """Reads done in the writer's task while this stream's reader waits
-        (:meth:`OutputQueue.handle`): what ``handler`` takes counts as read (its credits go
-        back as a read's do) and never comes out of ``__anext__``. It stays for the session's
-        life (leaving ``generate`` removes it with the reader's side)."""
-        session = self._session
-
-        def take(outputs: list[RequestOutput]) -> bool:
-            if not handler(outputs):
-                return False
-            session.take(outputs)
-            return True
-
-        session.outputs.handle(take)
-
-    def wake(self) -> None:
-        """Have the waiting reader's ``__anext__`` return (an empty list if nothing came): its
-        handler wants the reader's task (:meth:`OutputQueue.wake`)."""
-        self._session.outputs.wake()
 
     async def admitted(self) -> None:
         """Return once the worker has scheduled one of the request's sequences (its prefill

@@ -1,6 +1,4 @@
-"""One request's text: everything from token ids to text deltas, in the request's own task
-(or, for a read that ends nothing, in the task that delivers it while the request's task waits:
-:meth:`TextStream.handle`).
+"""One request's text: everything from token ids to text deltas, in the request's own task.
 
 :class:`TextStream` reads a request's :class:`~trio_infer.runtime.client.GenerationStream` and
 yields, per read, the choices' text deltas: incremental detokenization, the EOS / stop token
@@ -193,7 +191,6 @@ class TextStream:
         self._stream = stream
         self._interval = interval
         self._stops = bool(stop)
-        self._failure: Exception | None = None  # what a handler met, for the reader (handle)
         prompts: Sequence[list[int]] = prompt_ids if batch else [prompt_ids]
         self.choices = _choices(tokenizer, prompts, n, stop, options)
         self.num_prompt_tokens = sum(len(p) for p in prompts)
@@ -217,62 +214,16 @@ class TextStream:
         await self._stream.admitted()
 
     async def __anext__(self) -> list[ChoiceDelta]:
-        """The next read's deltas: what each choice has to say now; never empty, except after
-        a handler asked for the reader (:meth:`handle`)."""
+        """The next read's deltas: what each choice has to say now; never empty."""
         while not self.finished:
             try:
                 outputs = await self._stream.__anext__()
             except StopAsyncIteration:
                 raise RuntimeError("the engine ended the request without finishing it") from None
-            failure, self._failure = self._failure, None
-            if failure is not None:  # met by the handler (handle); what came since is moot
-                raise failure
-            if not outputs:  # the handler took the read and woke us (handle)
-                return []
             deltas = self._fold(outputs)
             if deltas:
                 return deltas
         raise StopAsyncIteration
-
-    def handle(self, handler: Callable[[list[ChoiceDelta]], None], ready: Callable[[], bool]) -> bool:
-        """Reads done where the outputs arrive, without waking the reader: while the reader
-        waits in ``__anext__`` and ``ready()`` says ``handler`` can take a read at once, a read
-        that ends no choice is folded into deltas in the task that delivers the outputs
-        (synchronously) and given to ``handler``; ``__anext__`` never returns those. What ends
-        a choice (the engine's finish, the end of the stream, an error) still comes out of
-        ``__anext__``. If folding or ``handler`` raises, or ``handler`` calls :meth:`wake`,
-        ``__anext__`` returns (an empty list) or raises the exception, in the reader's task.
-
-        Why: each read wakes the request's task, a few microseconds of trio's scheduling a
-        token at 256 streams (docs/benchmarks.md, the fifteenth stop). Only where a read's text
-        is all its own: one choice, ``interval`` 1 and no stop strings (a stop string ends a
-        choice inside the text); otherwise it installs nothing and returns False."""
-        if len(self.choices) != 1 or self._interval != 1 or self._stops:
-            return False
-        stream = self._stream
-
-        def take(outputs: list[RequestOutput]) -> bool:
-            for out in outputs:
-                if out.finish_reason is not None or out.prompt_logprobs is not None:
-                    return False  # the reader's: its end, its first output
-            if not ready():
-                return False
-            try:
-                deltas = self._fold(outputs)
-                if deltas:
-                    handler(deltas)
-            except Exception as exc:  # noqa: BLE001 - the reader's to raise, in its task
-                self._failure = exc
-                stream.wake()
-            return True
-
-        stream.handle(take)
-        return True
-
-    def wake(self) -> None:
-        """Have a waiting ``__anext__`` return an empty list (a handler wants the reader's task:
-        :meth:`handle`)."""
-        self._stream.wake()
 
     def _fold(self, outputs: Sequence[RequestOutput]) -> list[ChoiceDelta]:
         """One read's outputs as the choices' deltas (those with something to say)."""
@@ -330,10 +281,6 @@ class ChoiceTexts(Protocol):
 
     async def admitted(self) -> None: ...
 
-    def handle(self, handler: Callable[[list[ChoiceDelta]], None], ready: Callable[[], bool]) -> bool: ...
-
-    def wake(self) -> None: ...
-
 
 class NothingToGenerate:
     """The text of a request that generates no token and asks for no prompt logprobs: every
@@ -353,13 +300,6 @@ class NothingToGenerate:
 
     async def admitted(self) -> None:
         """Nothing waits in a queue: at once."""
-
-    def handle(self, handler: Callable[[list[ChoiceDelta]], None], ready: Callable[[], bool]) -> bool:
-        """Nothing arrives: nothing to handle (:meth:`TextStream.handle`)."""
-        return False
-
-    def wake(self) -> None:
-        """Nobody waits."""
 
     async def __anext__(self) -> list[ChoiceDelta]:
         if self._done:
