@@ -6,8 +6,8 @@
     python -m trio_infer.gpu_check --peak-gbps 3350
 
 The kernel-level part is ``kernels/check.py`` (``python -m trio_infer_kernels.check``; the
-``kernels/`` package imports nothing from ``trio_infer``). This module adds what needs the engine and
-the models: a greedy generation on a random "small" Qwen3 checkpoint (``models/synthetic.py``)
+``kernels/`` package imports nothing from ``trio_infer``). This module adds what needs the engine
+and the models: a greedy generation on a random "small" Qwen3 checkpoint (``models/synthetic.py``)
 through :class:`~trio_infer.engine.engine.Engine`, with the Triton backend and with the torch
 reference backend (``trio_infer_kernels.ops.forced_reference``). fp32 must agree token for token
 (both backends compute in fp32; only summation order differs); bf16 agreement is reported (rounding
