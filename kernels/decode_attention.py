@@ -1,6 +1,6 @@
 """Paged decode attention: one new query token per sequence against all of its cached tokens.
 
-Contract: :func:`kernels.reference.decode_attention`.
+Contract: :func:`trio_infer_kernels.reference.decode_attention`.
 
 Decode is memory bound: every cached K/V byte of the batch is read once per step and used for a
 handful of FLOPs. The design follows from that.
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import (
+from .triton_utils import (
     cast,
     cdiv,
     check_paged_attention_inputs,
@@ -197,7 +197,8 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
-    """Triton version of :func:`kernels.reference.decode_attention` (same arguments, [B, Hq, D]).
+    """Triton version of :func:`trio_infer_kernels.reference.decode_attention` (same arguments,
+    [B, Hq, D]).
 
     The keyword-only arguments are tuning knobs (``num_splits=None`` picks it from the shapes);
     the tests use them to cover several tiles and splits with small tensors.

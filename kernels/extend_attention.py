@@ -1,6 +1,6 @@
 """Paged prefill/extend attention: a chunk of new tokens per sequence, causal, packed.
 
-Contract: :func:`kernels.reference.extend_attention`. Sequence ``b`` owns the query rows
+Contract: :func:`trio_infer_kernels.reference.extend_attention`. Sequence ``b`` owns the query rows
 ``query_start_loc[b]:query_start_loc[b+1]`` (``n`` of them, no padding between sequences) and
 has ``seq_len = seq_lens[b]`` tokens in the cache, the chunk's own K/V included. Query ``i`` sits
 at position ``prefix + i`` with ``prefix = seq_len - n`` and sees keys ``0 ..= prefix + i``.
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import (
+from .triton_utils import (
     cast,
     cdiv,
     check_paged_attention_inputs,
@@ -189,7 +189,8 @@ def extend_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`kernels.reference.extend_attention` (same arguments, [T, Hq, D]).
+    """Triton version of :func:`trio_infer_kernels.reference.extend_attention` (same arguments,
+    [T, Hq, D]).
 
     The keyword-only arguments are optional: the longest chunk (saves a device-to-host read) and
     tuning knobs (tests use small blocks to cover many tiles with small tensors).

@@ -1,12 +1,13 @@
 """The dispatcher: the only kernel entry points the engine calls.
 
 On CUDA tensors (and when Triton imports) each op runs its Triton kernel; on fp32 CPU tensors the
-C kernels of :mod:`kernels.cpu` (when they build on this machine); everywhere else the torch
-reference in :mod:`kernels.reference`. ``TRIO_INFER_KERNELS=reference`` forces the reference
-path, e.g. to compare backends end to end.
+C kernels of :mod:`trio_infer_kernels.cpu` (when they build on this machine); everywhere else the
+torch reference in :mod:`trio_infer_kernels.reference`. ``TRIO_INFER_KERNELS=reference`` forces the
+reference path, e.g. to compare backends end to end.
 
-A linear layer's weight is a tensor (``F.linear``) or a :class:`~kernels.cpu.PackedWeight`
-(GGUF blocks, read by the C kernel; the loader packs weights only where that kernel runs).
+A linear layer's weight is a tensor (``F.linear``) or a
+:class:`~trio_infer_kernels.cpu.PackedWeight` (GGUF blocks, read by the C kernel; the loader packs
+weights only where that kernel runs).
 
 The Triton modules are imported on first use and only for CUDA tensors, so a CPU machine never
 imports Triton at all: a missing or broken Triton install cannot stop the CPU engine.
@@ -24,8 +25,8 @@ import torch
 
 import torch.nn.functional as F
 
-from kernels import cpu, reference
-from kernels.cpu import CpuKernels, DecoderWeights, DecodeStep, Packed, PackedParts, PackedWeight
+from . import cpu, reference
+from .cpu import CpuKernels, DecoderWeights, DecodeStep, Packed, PackedParts, PackedWeight
 
 _FORCE_REFERENCE = os.environ.get("TRIO_INFER_KERNELS", "") == "reference"
 
@@ -88,7 +89,7 @@ def _triton_available() -> bool:
 @functools.cache
 def _triton_kernels() -> dict[str, ModuleType]:
     """The Triton kernel modules, imported once, on the first CUDA call."""
-    from kernels import activation, decode_attention, extend_attention, rms_norm, rotary, store_kv
+    from . import activation, decode_attention, extend_attention, rms_norm, rotary, store_kv
 
     return {
         "store_kv": store_kv,
@@ -271,8 +272,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def decode_step(weights: DecoderWeights, page_size: int,
                 kv_dtype: torch.dtype = torch.float32) -> DecodeStep | None:
-    """The model's whole decode step as one C call (:class:`kernels.cpu.DecodeStep`), or None
-    where it cannot run: no C kernels, a tensor that is not contiguous fp32 on the CPU, or a KV
+    """The model's whole decode step as one C call (:class:`trio_infer_kernels.cpu.DecodeStep`), or
+    None where it cannot run: no C kernels, a tensor that is not contiguous fp32 on the CPU, or a KV
     cache that is neither fp32 nor fp16."""
     kernels = _cpu(*weights.arrays())
     if (kernels is None or kv_dtype not in (torch.float32, torch.float16)

@@ -1,6 +1,6 @@
 """RMSNorm over the last dimension, optionally fused with the residual add before it.
 
-Contract: :func:`kernels.reference.rms_norm`. One program per row holds the whole row in
+Contract: :func:`trio_infer_kernels.reference.rms_norm`. One program per row holds the whole row in
 registers (hidden sizes of served models are at most a few thousand, one block), so the row is
 read once and written once: the residual sum, its square-mean and the scaled output all come
 from the same registers. That fusion is the point of the kernel; unfused, the add, the norm and
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import cast, is_interpreted, next_power_of_2
+from .triton_utils import cast, is_interpreted, next_power_of_2
 
 
 @triton.jit
@@ -68,7 +68,8 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton version of :func:`kernels.reference.rms_norm` (same arguments and results)."""
+    """Triton version of :func:`trio_infer_kernels.reference.rms_norm` (same arguments and
+    results)."""
     hidden = x.shape[-1]
     x2 = _rows(x, hidden)
     num_rows = x2.shape[0]

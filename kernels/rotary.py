@@ -1,6 +1,6 @@
 """Neox-style rotary position embedding of queries and keys in one launch.
 
-Contract: :func:`kernels.reference.rotary_embedding`. One program per token: it loads the
+Contract: :func:`trio_infer_kernels.reference.rotary_embedding`. One program per token: it loads the
 token's ``cos``/``sin`` row once (indexed by its position) and rotates every query and key head
 with it, so the table is read once per token instead of once per head, and q and k need no
 second launch. Heads are processed as a ``[heads, D/2]`` tile: the two halves of each head are
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import cast, is_interpreted, next_power_of_2
+from .triton_utils import cast, is_interpreted, next_power_of_2
 
 
 @triton.jit
@@ -93,7 +93,8 @@ def rotary_embedding(
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`kernels.reference.rotary_embedding` (returns new tensors)."""
+    """Triton version of :func:`trio_infer_kernels.reference.rotary_embedding` (returns new
+    tensors)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     if head_dim % 2 or cos_sin_cache.shape[-1] != head_dim:

@@ -1,7 +1,7 @@
 """Write the step's new keys and values into their paged-cache slots.
 
-Contract: :func:`kernels.reference.store_kv`. One program per token copies that token's K and V
-rows (all KV heads, ``[Hkv, D]`` each) to ``slot_mapping[t]``. A token's row is a few hundred
+Contract: :func:`trio_infer_kernels.reference.store_kv`. One program per token copies that token's K
+and V rows (all KV heads, ``[Hkv, D]`` each) to ``slot_mapping[t]``. A token's row is a few hundred
 bytes, so one program per token keeps every load and store a contiguous burst; the kernel is pure
 data movement and needs no more cleverness than that. Strides are passed explicitly so ``k``/``v``
 may be views (e.g. slices of a fused QKV projection) without a copy.
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import next_power_of_2
+from .triton_utils import next_power_of_2
 
 
 @triton.jit
@@ -54,7 +54,8 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Triton version of :func:`kernels.reference.store_kv` (same arguments, same effect)."""
+    """Triton version of :func:`trio_infer_kernels.reference.store_kv` (same arguments, same
+    effect)."""
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return

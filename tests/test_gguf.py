@@ -47,8 +47,8 @@ from trio_infer.models.default_model import (
 )
 from trio_infer.models.cpu_llama import CpuLlama
 from trio_infer.models.gguf_loader import GGUFCheckpoint, GGUFError
-from kernels import cpu
-from kernels.cpu import Packed, PackedWeight
+from trio_infer_kernels import cpu
+from trio_infer_kernels.cpu import Packed, PackedWeight
 from trio_infer.models.loader import (
     cpu_model_refusal,
     load_model,
@@ -386,7 +386,7 @@ def test_smollm2_k_quant_files_match_transformers_gguf_load(file_type: str, tmp_
 # imported torch.
 _LOAD_RSS_SCRIPT = """
 import gc, json, sys
-from kernels import cpu
+from trio_infer_kernels import cpu
 from trio_infer.bench.memory import model_bytes, peak_kib
 from trio_infer.models.loader import load_model
 cpu.load()

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kernels import cpu
+from trio_infer_kernels import cpu
 from trio_infer.models import step_threads
 from trio_infer.models.step_threads import PROBE_EVERY, SERIAL_STEP_BYTES, StepThreads
 from trio_infer.settings import BRIEF_SPIN_COUNT, Settings, worker_environment

@@ -1,17 +1,17 @@
 """The whole GPU check: the kernels' tables, then end to end through the engine.
 
     python -m trio_infer.gpu_check             # everything (a few minutes at most on one H200)
-    python -m trio_infer.gpu_check --skip-e2e  # the kernels only (= python -m kernels.check)
+    python -m trio_infer.gpu_check --skip-e2e  # the kernels only (= trio_infer_kernels.check)
     python -m trio_infer.gpu_check --sweep     # also time other tile configurations
     python -m trio_infer.gpu_check --peak-gbps 3350
 
-The kernel-level part is ``kernels/check.py`` (``python -m kernels.check``; the ``kernels``
-package imports nothing from ``trio_infer``). This module adds what needs the engine and the
-models: a greedy generation on a random "small" Qwen3 checkpoint (``models/synthetic.py``)
+The kernel-level part is ``kernels/check.py`` (``python -m trio_infer_kernels.check``; the
+``kernels/`` package imports nothing from ``trio_infer``). This module adds what needs the engine
+and the models: a greedy generation on a random "small" Qwen3 checkpoint (``models/synthetic.py``)
 through :class:`~trio_infer.engine.engine.Engine`, with the Triton backend and with the torch
-reference backend (``kernels.ops.forced_reference``). fp32 must agree token for token (both
-backends compute in fp32; only summation order differs); bf16 agreement is reported (rounding may
-flip a near-tie late in a sequence).
+reference backend (``trio_infer_kernels.ops.forced_reference``). fp32 must agree token for token
+(both backends compute in fp32; only summation order differs); bf16 agreement is reported (rounding
+may flip a near-tie late in a sequence).
 
 Without a CUDA device it prints why it has nothing to do and exits 0. Exit status 1 means a
 correctness failure: a kernel outside its tolerance, or the fp32 generations differing.
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from kernels import check, ops
+from trio_infer_kernels import check, ops
 from trio_infer.engine.engine import Engine, EngineConfig
 from trio_infer.wire import SamplingParams
 from trio_infer.models.loader import load_model

@@ -26,7 +26,7 @@ import httpx
 import openai
 import pytest
 
-from kernels import cpu
+from trio_infer_kernels import cpu
 
 from .helpers import metric
 

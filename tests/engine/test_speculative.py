@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu
+from trio_infer_kernels import cpu
 from trio_infer.engine.engine import Engine, EngineConfig
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.sampler import probabilities

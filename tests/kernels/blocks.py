@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels import cpu
+from trio_infer_kernels import cpu
 
 # Where each format keeps its fp16 scales (d, and Q4_1/Q5_1's m or the K-quants' dmin) in a
 # block as ggml stores it: random bytes there could be NaN or huge, so they are set to sane values.

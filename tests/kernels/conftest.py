@@ -15,7 +15,7 @@ this suite in a fresh process that imports triton first, to keep this honest.
 
 Interpreter mode is process-wide: a Triton kernel imported later in the same pytest process is
 interpreted too (it still computes correctly on CUDA tensors, slowly). GPU checks run in their
-own process: ``python -m kernels.check``.
+own process: ``python -m trio_infer_kernels.check``.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ import sys  # noqa: E402
 _TRITON_MODULES = ("triton.language.standard", "triton.language.random", "triton.language")
 # Ours, in dependency order: the others bind triton_utils' jit helpers when imported.
 _KERNEL_MODULES = (
-    "kernels.triton_utils",
-    "kernels.store_kv",
-    "kernels.rms_norm",
-    "kernels.rotary",
-    "kernels.activation",
-    "kernels.decode_attention",
-    "kernels.extend_attention",
+    "trio_infer_kernels.triton_utils",
+    "trio_infer_kernels.store_kv",
+    "trio_infer_kernels.rms_norm",
+    "trio_infer_kernels.rotary",
+    "trio_infer_kernels.activation",
+    "trio_infer_kernels.decode_attention",
+    "trio_infer_kernels.extend_attention",
 )
 
 

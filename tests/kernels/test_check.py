@@ -1,7 +1,7 @@
-"""``python -m kernels.check`` and ``python -m trio_infer.gpu_check``: they skip cleanly without a
-GPU, and their code runs (on CPU, through the interpreter, with tiny shapes and a stub timer) so
-it cannot rot between GPU sessions. The ``kernels`` package stands alone: it imports nothing from
-``trio_infer``."""
+"""``python -m trio_infer_kernels.check`` and ``python -m trio_infer.gpu_check``: they skip cleanly
+without a GPU, and their code runs (on CPU, through the interpreter, with tiny shapes and a stub
+timer) so it cannot rot between GPU sessions. The kernels' package (the folder ``kernels/``,
+installed as ``trio_infer_kernels``) stands alone: it imports nothing from ``trio_infer``."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import check
+from trio_infer_kernels import check
 from trio_infer import gpu_check
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the check really runs")
-@pytest.mark.parametrize("module", ["kernels.check", "trio_infer.gpu_check"])
+@pytest.mark.parametrize("module", ["trio_infer_kernels.check", "trio_infer.gpu_check"])
 def test_check_without_gpu_prints_why_and_exits_0(module: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
@@ -29,16 +29,17 @@ def test_check_without_gpu_prints_why_and_exits_0(module: str) -> None:
         text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    expected = check.NO_GPU_MESSAGE if module == "kernels.check" else gpu_check.NO_GPU_MESSAGE
+    expected = (check.NO_GPU_MESSAGE if module == "trio_infer_kernels.check"
+                else gpu_check.NO_GPU_MESSAGE)
     assert proc.stdout.strip() == expected
 
 
 def test_kernels_import_nothing_from_trio_infer() -> None:
     """Every module of ``kernels/`` imports without importing ``trio_infer``."""
     code = (
-        "import importlib, pkgutil, sys, kernels\n"
-        "names = sorted(m.name for m in pkgutil.iter_modules(kernels.__path__))\n"
-        "for name in names: importlib.import_module('kernels.' + name)\n"
+        "import importlib, pkgutil, sys, trio_infer_kernels\n"
+        "names = sorted(m.name for m in pkgutil.iter_modules(trio_infer_kernels.__path__))\n"
+        "for name in names: importlib.import_module('trio_infer_kernels.' + name)\n"
         "assert 'check' in names and 'ops' in names, names\n"
         "print(sorted(m for m in sys.modules if m == 'trio_infer' or m.startswith('trio_infer.')))\n"
     )

@@ -17,8 +17,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from kernels import cpu, ops, reference
-from kernels.cpu import FORMATS, PackedParts, PackedWeight
+from trio_infer_kernels import cpu, ops, reference
+from trio_infer_kernels.cpu import FORMATS, PackedParts, PackedWeight
 from tests.kernels.blocks import KQUANTS, random_blocks
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="the CPU kernels do not build here")
@@ -173,7 +173,7 @@ def test_a_failed_build_is_said_not_hidden(tmp_path) -> None:
     import sys
 
     env = dict(os.environ, CC="/bin/false", TRIO_INFER_CACHE_DIR=str(tmp_path))
-    code = ("from kernels import cpu, ops; print(cpu.load() is None); "
+    code = ("from trio_infer_kernels import cpu, ops; print(cpu.load() is None); "
             "print(ops.compute_path('cpu'))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.splitlines()

@@ -8,11 +8,11 @@ import pytest
 import torch
 from kernel_cases import TOLERANCE, randn
 
-from kernels import reference
-from kernels.activation import silu_and_mul
-from kernels.rms_norm import rms_norm
-from kernels.rotary import rotary_embedding
-from kernels.store_kv import store_kv
+from trio_infer_kernels import reference
+from trio_infer_kernels.activation import silu_and_mul
+from trio_infer_kernels.rms_norm import rms_norm
+from trio_infer_kernels.rotary import rotary_embedding
+from trio_infer_kernels.store_kv import store_kv
 
 DTYPES = [torch.float32, torch.bfloat16]
 

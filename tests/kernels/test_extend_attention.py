@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import TOLERANCE, paged_batch, randn
 
-from kernels import reference
-from kernels.extend_attention import extend_attention
+from trio_infer_kernels import reference
+from trio_infer_kernels.extend_attention import extend_attention
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu
-from kernels.cpu import DecoderLayerWeights, DecoderWeights, PackedParts, PackedWeight
+from trio_infer_kernels import cpu
+from trio_infer_kernels.cpu import DecoderLayerWeights, DecoderWeights, PackedParts, PackedWeight
 from tests.kernels.blocks import random_blocks
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="the CPU kernels do not build here")
@@ -276,7 +276,7 @@ def test_decode_step(packed_embed: bool, kv: str) -> None:
 NO_TORCH = """
 import sys
 import numpy as np
-from kernels import cpu
+from trio_infer_kernels import cpu
 kernels = cpu.require()
 rng = np.random.default_rng(0)
 codes = rng.integers(-127, 128, (24, 2, 32), dtype=np.int8)  # Q8_0: 2 blocks of 32 a row
@@ -296,8 +296,8 @@ print("torch" in sys.modules)
 
 
 def test_the_kernels_run_without_torch() -> None:
-    """``import kernels.cpu``, loading the library, packing a weight and a linear on numpy
-    arrays leave torch unimported (a fresh interpreter: this one has torch)."""
+    """``import trio_infer_kernels.cpu``, loading the library, packing a weight and a linear on
+    numpy arrays leave torch unimported (a fresh interpreter: this one has torch)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     out = subprocess.run([sys.executable, "-c", NO_TORCH], env=env, cwd=ROOT,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu, ops, reference
-from kernels.triton_utils import is_interpreted
+from trio_infer_kernels import cpu, ops, reference
+from trio_infer_kernels.triton_utils import is_interpreted
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def test_cpu_engine_never_imports_triton() -> None:
     """A CPU process runs every op without importing Triton (it may be missing or broken)."""
     code = (
         "import sys, torch\n"
-        "from kernels import ops\n"
+        "from trio_infer_kernels import ops\n"
         "x = torch.randn(4, 16)\n"
         "ops.rms_norm(x, torch.ones(16), 1e-6, x)\n"
         "ops.silu_and_mul(x)\n"
@@ -42,7 +42,7 @@ def test_triton_kernel_modules_import_and_are_interpreted_here() -> None:
     modules = ops._triton_kernels()
     assert set(modules) == {"store_kv", "decode_attention", "extend_attention", "rms_norm",
                             "rotary", "activation"}
-    from kernels.decode_attention import _decode_split_kernel
-    from kernels.extend_attention import _extend_kernel
+    from trio_infer_kernels.decode_attention import _decode_split_kernel
+    from trio_infer_kernels.extend_attention import _extend_kernel
 
     assert is_interpreted(_decode_split_kernel) and is_interpreted(_extend_kernel)

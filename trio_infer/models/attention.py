@@ -1,16 +1,16 @@
 """The one attention call site every model layer uses.
 
-The step's new keys/values are already in their pages (:func:`kernels.ops.rotary_store`); this
-attends: the decode sequences in one batched call, the extending sequences (prefill chunks) in
+The step's new keys/values are already in their pages (:func:`trio_infer_kernels.ops.rotary_store`);
+this attends: the decode sequences in one batched call, the extending sequences (prefill chunks) in
 another. Which implementation runs (Triton on CUDA, C or torch on CPU) is the dispatcher's
-business, in :mod:`kernels.ops`.
+business, in :mod:`trio_infer_kernels.ops`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import ops
+from trio_infer_kernels import ops
 from trio_infer.engine.forward_batch import ForwardBatch
 
 

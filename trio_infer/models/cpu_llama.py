@@ -4,17 +4,17 @@ in a worker that never imports torch.
 Importing torch costs a process ~220 MiB of resident memory (its libraries' static state and
 a thousand Python modules), whatever the model: on the default 98 MB file that was most of the
 worker's peak, 1.75x llama.cpp's. On the CPU every op of a GGUF model already runs in the C
-kernels (:mod:`kernels.cpu`), which read numpy arrays as well as tensors, so this model is the
-same computation as :class:`~trio_infer.models.llama.LlamaForCausalLM` on its CPU-kernel path,
-op for op and in the same order, over numpy arrays. The torch model stays for everything else:
+kernels (:mod:`trio_infer_kernels.cpu`), which read numpy arrays as well as tensors, so this model
+is the same computation as :class:`~trio_infer.models.llama.LlamaForCausalLM` on its CPU-kernel
+path, op for op and in the same order, over numpy arrays. The torch model stays for everything else:
 a Hugging Face folder, a GPU, tensor parallelism, a weight type the kernels do not read in place
 (dequantized to fp32), a rope scaling whose table needs transformers, and
 ``TRIO_INFER_KERNELS=reference``. :func:`~trio_infer.models.loader.load_model` picks.
 
 Weights are read from the GGUF file one tensor at a time (:meth:`GGUFCheckpoint.iter_weights`),
 q/k/v and gate/up fused into one packed weight each as their parts arrive (one weight of rows
-of blocks, or a :class:`~kernels.cpu.PackedParts` where the parts' formats differ), then put in
-the interleaved layout the kernels read fastest (kernels.cpu.LAYOUTS).
+of blocks, or a :class:`~trio_infer_kernels.cpu.PackedParts` where the parts' formats differ), then
+put in the interleaved layout the kernels read fastest (trio_infer_kernels.cpu.LAYOUTS).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.cpu import (
+from trio_infer_kernels.cpu import (
     CpuKernels,
     DecoderLayerWeights,
     DecoderWeights,

@@ -18,9 +18,9 @@ torch:
 Supported: the ``llama``, ``qwen2`` and ``qwen3`` architectures, tensor types F32, F16, BF16,
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K..Q6_K, IQ4_NL and IQ4_XS. Anything else is refused
 before a single tensor is read, with an error that names it. Weights the CPU kernels read in place
-(:data:`kernels.cpu.FORMATS`) are read from the file with plain reads, one tensor at a time, and
-packed (:meth:`~kernels.cpu.PackedWeight.from_blocks`): the file is never mapped in whole, so its
-pages do not add to the process's resident memory.
+(:data:`trio_infer_kernels.cpu.FORMATS`) are read from the file with plain reads, one tensor at a
+time, and packed (:meth:`~trio_infer_kernels.cpu.PackedWeight.from_blocks`): the file is never
+mapped in whole, so its pages do not add to the process's resident memory.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from kernels.cpu import PackedWeight
+from trio_infer_kernels.cpu import PackedWeight
 from trio_infer.models.gguf_meta import GGUFMetadata, TensorInfo
 from trio_infer.models.parallel import ShardError, ShardPlan, block_columns
 from trio_infer.models.paths import GGUFError, find_gguf  # noqa: F401 (re-exported)

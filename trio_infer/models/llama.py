@@ -16,8 +16,8 @@ loaded (two GEMMs fewer per layer). A fused :class:`Linear` remembers the sizes 
 later column-parallel split can cut each part separately instead of the concatenation.
 
 A linear layer (and the embedding) may keep its weight as GGUF blocks (``packed``: module name ->
-ggml format, decided by the loader): a :class:`~kernels.cpu.PackedWeight` read by the CPU
-kernels, 4 or 8 bits a weight instead of 32, with the same fp32 math.
+ggml format, decided by the loader): a :class:`~trio_infer_kernels.cpu.PackedWeight` read by the
+CPU kernels, 4 or 8 bits a weight instead of 32, with the same fp32 math.
 
 With ``parallel`` (:class:`~trio_infer.models.parallel.Collectives`) the model is one rank's
 slice of a tensor-parallel group: its modules have that rank's heads, intermediate rows and
@@ -38,8 +38,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from kernels import ops
-from kernels.cpu import (
+from trio_infer_kernels import ops
+from trio_infer_kernels.cpu import (
     DecoderLayerWeights,
     DecoderWeights,
     DecodeStep,
@@ -129,7 +129,7 @@ class Linear(nn.Module):
     parallel) or columns (row parallel) of each part and add a collective after ``forward``.
     With ``fmt`` the weight is kept packed in that GGUF format (``self.packed``) and
     ``self.weight`` does not exist; a tuple of formats, one per part, keeps each part in its own
-    (a :class:`~kernels.cpu.PackedParts`: q and k in Q4_K, v in Q6_K).
+    (a :class:`~trio_infer_kernels.cpu.PackedParts`: q and k in Q4_K, v in Q6_K).
     """
 
     def __init__(
@@ -324,7 +324,8 @@ class DecoderLayer(nn.Module):
         """Returns ``(hidden, residual)`` with the residual add left undone.
 
         Each norm adds the pending residual in the same kernel that normalizes (the fused form of
-        :func:`kernels.ops.rms_norm`), which saves one read and write of the hidden state per norm.
+        :func:`trio_infer_kernels.ops.rms_norm`), which saves one read and write of the hidden state
+        per norm.
         """
         if residual is None:
             residual = hidden
@@ -409,14 +410,15 @@ class LlamaForCausalLM(nn.Module):
                     module.packed = module.packed.with_activations(activations)
             if spec.tie_word_embeddings and self.lm_head.packed is not None:
                 self.lm_head.packed = self.model.embed_tokens.packed
-        # Read in an interleaved layout (kernels.cpu.LAYOUTS), converted in place once loaded
-        # (see load_weights): with int8 activations Q4_K and Q6_K weights in 8-row groups, with
-        # exact ones every block format's weights in 16-row groups (bitwise the row layout's
+        # Read in an interleaved layout (trio_infer_kernels.cpu.LAYOUTS), converted in place once
+        # loaded (see load_weights): with int8 activations Q4_K and Q6_K weights in 8-row groups,
+        # with exact ones every block format's weights in 16-row groups (bitwise the row layout's
         # sums at one row of x, about twice as fast).
         self._weight_layout = {"int8": "x8", "exact": "x16"}.get(activations, "rows")
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
-        # Pure decode steps on the CPU kernels run as one C call (kernels.ops.decode_step),
-        # built on first use per page size; False turns it off (tests compare both paths).
+        # Pure decode steps on the CPU kernels run as one C call
+        # (trio_infer_kernels.ops.decode_step), built on first use per page size; False turns it off
+        # (tests compare both paths).
         self.fused_decode = parallel is None
         self._decode_steps: dict[tuple[int, torch.dtype], DecodeStep | None] = {}
         self._step_bytes = 0  # the one-call step's linears, for step_threads
@@ -467,12 +469,14 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def one_call_decode(self) -> bool:
-        """Whether decode steps have run as one C call (:func:`kernels.ops.decode_step`)."""
+        """Whether decode steps have run as one C call
+        (:func:`trio_infer_kernels.ops.decode_step`)."""
         return any(step is not None for step in self._decode_steps.values())
 
     def _decode_step(self, batch: ForwardBatch, k_cache: torch.Tensor) -> DecodeStep | None:
-        """The one-call decode step (:func:`kernels.ops.decode_step`) if this batch can take it:
-        every sequence decodes one token and wants its logits, on the CPU kernels' layouts."""
+        """The one-call decode step (:func:`trio_infer_kernels.ops.decode_step`) if this batch can
+        take it: every sequence decodes one token and wants its logits, on the CPU kernels'
+        layouts."""
         if not (batch.num_decodes == batch.num_seqs == batch.num_tokens
                 and batch.logits_indices.shape[0] == batch.num_tokens
                 and batch.max_seq_len is not None

@@ -82,12 +82,12 @@ def load_model(
     process); anything else as the torch model (``backend`` "torch" or "cpu" asks for one; "cpu"
     raises ValueError saying why it cannot serve the file). ``threads``: the CPU model's thread
     count (the torch model reads torch's). For the torch model: GGUF weights in a block format the CPU
-    kernels read (:data:`kernels.cpu.FORMATS`: F16, BF16, Q4_0 to Q8_0, Q4_K, Q5_K, Q6_K) stay in
-    it when ``keep_blocks`` is true, or is None and :func:`packing_possible` says they can run
-    here; every other GGUF weight is dequantized to ``dtype`` (with a warning naming the type and
-    the memory it takes, when it is a linear weight that a block format would have kept small). ``activations`` says how
-    the CPU kernels multiply activations with kept blocks: exact, or rounded to int8
-    (see :data:`kernels.cpu.ACTIVATIONS`).
+    kernels read (:data:`trio_infer_kernels.cpu.FORMATS`: F16, BF16, Q4_0 to Q8_0, Q4_K, Q5_K, Q6_K)
+    stay in it when ``keep_blocks`` is true, or is None and :func:`packing_possible` says they can
+    run here; every other GGUF weight is dequantized to ``dtype`` (with a warning naming the type
+    and the memory it takes, when it is a linear weight that a block format would have kept small).
+    ``activations`` says how the CPU kernels multiply activations with kept blocks: exact, or
+    rounded to int8 (see :data:`trio_infer_kernels.cpu.ACTIVATIONS`).
     ``dtype`` defaults to :func:`default_dtype`. The served name is ``served_name``, else the
     folder's ``served_name`` file, else the hub id for a folder inside the Hugging Face cache, else
     the folder name, or for a GGUF file its known name or file stem (see
@@ -122,7 +122,7 @@ def cpu_model_refusal(checkpoint: GGUFCheckpoint, dtype: object, device: str,
     when it can: on the CPU, in fp32, whole (not a tensor-parallel shard), the C kernels built,
     every linear weight and the lm_head in a format they read, the attention heads' shape theirs,
     and a rotary table computed without transformers."""
-    from kernels import cpu
+    from trio_infer_kernels import cpu
 
     if device != "cpu":
         return f"the device is {device}"
@@ -163,7 +163,7 @@ def _module_formats(checkpoint: GGUFCheckpoint, module: str) -> str:
 
 def _load_cpu_model(checkpoint: GGUFCheckpoint, served_name: str | None, activations: str,
                     threads: int | None) -> CpuLlama:
-    from kernels import cpu
+    from trio_infer_kernels import cpu
 
     from trio_infer.models.cpu_llama import CpuLlama
 
@@ -337,7 +337,7 @@ def _warn_widened(checkpoint: GGUFCheckpoint, kept: set[str]) -> None:
 
 def packing_possible(device: str | torch.device, dtype: torch.dtype | str) -> bool:
     """True where packed GGUF blocks can be served: CPU, fp32 activations, C kernels built."""
-    from kernels import cpu
+    from trio_infer_kernels import cpu
 
     return (str(device) == "cpu" and str(dtype).removeprefix("torch.") == "float32"
             and cpu.load() is not None)
@@ -348,7 +348,7 @@ def packed_modules(formats: dict[str, str], tied: bool) -> dict[str, str | tuple
     checkpoint weights are all in formats the CPU kernels read: one format, or for a fused
     projection whose parts differ (Q4_K_M's q/k in Q4_K, v in Q6_K), one per part. ``formats``:
     weight name -> GGUF type, as :meth:`GGUFCheckpoint.tensor_formats` gives it."""
-    from kernels.cpu import FORMATS
+    from trio_infer_kernels.cpu import FORMATS
 
     out: dict[str, str | tuple[str, ...]] = {}
     modules: dict[str, dict[str, str]] = {}

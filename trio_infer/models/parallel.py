@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.cpu import PackedWeight
+from trio_infer_kernels.cpu import PackedWeight
 
 
 class ShardError(ValueError):

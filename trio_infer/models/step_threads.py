@@ -31,10 +31,10 @@ SMOOTHING = 0.25
 class StepThreads:
     """The thread count of each one-call decode step, out of the worker's ``threads``.
 
-    ``waits_sleep`` (kernels.cpu.waits_sleep_at_once) decides the first guess for a narrow step,
-    before anything is measured: one thread when waiting threads sleep at once, every thread
-    otherwise. Call :meth:`choose` before a step and, for a :meth:`narrow` one, :meth:`record`
-    with its wall time after.
+    ``waits_sleep`` (trio_infer_kernels.cpu.waits_sleep_at_once) decides the first guess for a
+    narrow step, before anything is measured: one thread when waiting threads sleep at once, every
+    thread otherwise. Call :meth:`choose` before a step and, for a :meth:`narrow` one,
+    :meth:`record` with its wall time after.
     """
 
     def __init__(self, waits_sleep: bool) -> None:

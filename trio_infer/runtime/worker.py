@@ -93,14 +93,14 @@ class WorkerCore:
         self._sent_stats: dict[int, EngineStatistics] = {}
 
     def hello(self, port: int = 0) -> bytes:
-        from kernels import cpu
+        from trio_infer_kernels import cpu
 
         e = self.engine
         info = e.model.info
-        if e.device == "cpu":  # without kernels.ops, which imports torch
+        if e.device == "cpu":  # without trio_infer_kernels.ops, which imports torch
             kernels, problem = cpu.compute_path()
         else:
-            from kernels.ops import compute_path
+            from trio_infer_kernels.ops import compute_path
 
             kernels, problem = compute_path(e.device)
         kv_dtype = e.kv_cache.dtype if e.kv_cache.k else ""
