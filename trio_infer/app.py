@@ -36,6 +36,7 @@ from quart_trio import QuartTrio
 
 from trio_infer.api import direct, health
 from trio_infer.api.errors import register_error_handlers
+from trio_infer.api.last_send import shield_last_send
 from trio_infer.api.routes import register_routes
 from trio_infer.api.state import ServerState, server_state
 from trio_infer.metrics import Metrics
@@ -72,38 +73,14 @@ class App(QuartTrio):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         state: ServerState = self.extensions["trio_infer"]
-        if scope["type"] == "http":
-            send = _end_shielded(send)
         path = direct.route_path(scope)
         if path is not None:
             return await direct.serve(path, scope, receive, send, state)
         if health.is_plain_probe(scope, state.settings.max_header_bytes):
             return await health.answer(scope, send, state)
+        if scope["type"] == "http":
+            send = shield_last_send(send)  # (last_send.py says why)
         return await self.asgi_app(scope, receive, send)
-
-
-def _end_shielded(send: Any) -> Any:
-    """``send`` with a response's last message sent under a shield.
-
-    hypercorn ends an HTTP/1.1 request inside that last ``send``: it tells the app
-    ``http.disconnect``, then restarts the connection's keep-alive timer (or, for a response that
-    says ``Connection: close``, shuts the socket). quart-trio answers the ``http.disconnect`` by
-    cancelling the request's nursery, which holds the task that is still inside ``send``; the
-    cancellation then lands in hypercorn's bookkeeping half-way, and the connection is left open
-    with no timer: an idle keep-alive connection was never closed. Under the shield hypercorn
-    finishes its part; the write itself is shielded by hypercorn already, so this waits for
-    nothing a cancellation could otherwise have cut short
-    (tests/runtime/test_connection_limits.py).
-    """
-
-    async def shielded(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.body" and not message.get("more_body", False):
-            with trio.CancelScope(shield=True):
-                await send(message)
-        else:
-            await send(message)
-
-    return shielded
 
 
 def create_app(

@@ -55,10 +55,10 @@ def _assignments_to_other_packages(path: Path) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if not alias.name.startswith(("trio_infer", "kernels")):
+                if not alias.name.startswith("trio_infer"):
                     foreign.add((alias.asname or alias.name).split(".")[0])
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
-                not node.module.startswith(("trio_infer", "kernels")):
+                not node.module.startswith("trio_infer"):
             foreign.update(alias.asname or alias.name for alias in node.names)
 
     def root(target: ast.AST) -> str | None:

@@ -9,7 +9,7 @@ the number of connections: many idle ones all get in and are all closed by the t
 
 An idle keep-alive connection is closed after a response, and a ``Connection: close`` answer's
 socket after it is sent, because the app sends a response's last message under a shield
-(``app._end_shielded`` says why hypercorn's own bookkeeping needs it under quart-trio).
+(``trio_infer/api/last_send.py`` says why hypercorn's own bookkeeping needs it).
 """
 
 from __future__ import annotations

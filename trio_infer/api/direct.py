@@ -42,6 +42,7 @@ from werkzeug.exceptions import MethodNotAllowed, RequestEntityTooLarge, Request
 from trio_infer.api import sse
 from trio_infer.api.checks import check_api_key, check_head, head_size, parse_json
 from trio_infer.api.errors import APIError, error_bytes, error_of
+from trio_infer.api.last_send import send_last
 from trio_infer.api.plans import plan_chat, plan_completion
 from trio_infer.api.protocol import (
     UNSUPPORTED_CHAT,
@@ -136,7 +137,7 @@ async def _send_error(send: Send, err: APIError, close: bool) -> None:
     if close:  # trap 2: answered before the body was read: the connection cannot be reused
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    await send_last(send, {"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def serve(path: str, scope: dict[str, Any], receive: Receive, send: Send,
@@ -173,7 +174,7 @@ async def _send_options(send: Send) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": [
         (b"allow", _ALLOW.encode()), (b"content-type", b"text/html; charset=utf-8"),
         (b"content-length", b"0")]})
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    await send_last(send, {"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
@@ -203,7 +204,7 @@ async def _route(path: str, raw: bytes, headers: dict[str, str], send: Send,
             await send({"type": "http.response.start", "status": 200, "headers": [
                 _JSON, (b"content-length", str(len(body)).encode())]})
             started = True
-            await send({"type": "http.response.body", "body": body, "more_body": False})
+            await send_last(send, {"type": "http.response.body", "body": body, "more_body": False})
             return
         content = await open_stream(state, plan, timeout_s=timeout_s)
     except Exception as exc:  # noqa: BLE001 - before the status: every error is an answer
@@ -214,4 +215,4 @@ async def _route(path: str, raw: bytes, headers: dict[str, str], send: Send,
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
         async for chunk in content:
             await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    await send_last(send, {"type": "http.response.body", "body": b"", "more_body": False})

@@ -18,6 +18,7 @@ import json
 from typing import Any, Awaitable, Callable
 
 from trio_infer.api.errors import LOADING_RETRY_AFTER_S, SERVER_ERROR, error_body
+from trio_infer.api.last_send import send_last
 from trio_infer.api.state import ServerState
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -72,4 +73,4 @@ async def answer(scope: dict[str, Any], send: Send, state: ServerState) -> None:
         headers.extend((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items())
     await send({"type": "http.response.start", "status": status, "headers": headers})
     # HEAD too: the server drops a HEAD response's body, as it does quart's.
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    await send_last(send, {"type": "http.response.body", "body": body, "more_body": False})
