@@ -768,7 +768,7 @@ def test_smollm2_exact_step_gives_each_sequence_its_logits_alone(smollm2: tuple[
 @needs_smollm2
 def test_smollm2_one_call_step_past_the_few_rows_limit_is_the_op_by_op_step(
         smollm2: tuple[Any, Any]) -> None:
-    """assert_one_call_step_is_exact's batches (1, 2, 3, 5) now all take the exact few-rows
+    """assert_one_call_step_is_exact's batches (1, 2, 3, 5) all take the exact few-rows
     kernel; one batch past its limit takes the tiles, in both paths alike."""
     if cpu.load() is None:
         pytest.skip("the CPU kernels do not build here")

@@ -81,7 +81,7 @@ def state(app) -> ServerState:  # type: ignore[no-untyped-def]
 class StepGate:
     """Lets the test decide how many engine steps may run: ``hold()`` then ``allow(n)``.
 
-    While held, the actor finds nothing to schedule and idles, so ``wait_all_tasks_blocked``
+    While held, the engine finds nothing to schedule and idles, so ``wait_all_tasks_blocked``
     returns with every request exactly where it was.
     """
 

@@ -218,8 +218,8 @@ async def test_models_tokenize_detokenize_metrics(app, tokenizer) -> None:
     assert detok == {"prompt": "hello world"}
     r = await app.client.post("/detokenize", json={"tokens": [10**9]})
     assert r.status_code == 400
-    # This test failed once on a fresh clone (the "length" counter read 0): at temperature 1 the
-    # fake model then met EOS about once in 500 tokens. It no longer samples EOS by chance (see
+    # The "length" counter must move: a fake model that met EOS by chance at temperature 1 (about
+    # once in 500 tokens) would leave it at 0. It never samples EOS by chance (see
     # trio_infer/models/fake.py); ignore_eos stays, and the response's finish_reason is checked first.
     r = await app.client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 3,
                                                         "ignore_eos": True})

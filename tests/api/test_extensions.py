@@ -1,4 +1,5 @@
-"""The vLLM extensions and OpenAI fields of issue 22 on the fake model (exact outputs), in process:
+"""The vLLM extensions and OpenAI fields the server takes, on the fake model (exact outputs),
+in process:
 ``stream_options.continuous_usage_stats``, ``logit_bias``, ``min_tokens``, ``stop_token_ids``,
 ``repetition_penalty``, ``skip_special_tokens``, ``include_stop_str_in_output``, the structured
 outputs by regex, choice and Lark grammar, ``chat_template_kwargs``, ``add_generation_prompt``,

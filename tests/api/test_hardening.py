@@ -69,7 +69,7 @@ FIELDS = [
     "top_logprobs", "echo", "best_of", "metadata", "add_special_tokens", "add_generation_prompt",
     "tools", "tool_choice", "response_format", "logit_bias", "store", "suffix", "service_tier",
     "functions", "modalities", "audio", "prediction", "reasoning_effort",
-    # vLLM's extensions (issue 22)
+    # vLLM's extensions
     "chat_template_kwargs", "continue_final_message", "skip_special_tokens",
     "include_stop_str_in_output", "min_tokens", "repetition_penalty", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",

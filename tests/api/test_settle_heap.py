@@ -1,5 +1,5 @@
-"""``app.settle_heap``: what a served model's process does to its garbage collector (issue 21,
-round 4). Run in a child process: freezing the heap and moving the thresholds are process-wide,
+"""``app.settle_heap``: what a served model's process does to its garbage collector. Run in a
+child process: freezing the heap and moving the thresholds are process-wide,
 and the test process makes many apps that must be collected."""
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def check_dp_client(report: DPReport, index: int) -> None:
         # request admitted after that never goes to the lost worker.
         assert report.noticed is not None and rec.log.entered.seq < report.noticed.seq, (
             f"{who}: failed, but it was admitted after the front end knew of the loss")
-    elif rec.outcome == "RequestTimeout":  # the strategies draw deadlines (issue 24)
+    elif rec.outcome == "RequestTimeout":  # the strategies draw deadlines
         t0, timeout = rec.log.entered.time, req.timeout
         assert timeout is not None, f"{who}: timed out without a deadline"
         assert rec.error_event is not None and rec.error_event.time >= t0 + timeout - 1e-9, (

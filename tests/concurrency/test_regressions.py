@@ -29,7 +29,7 @@ def test_a_stall_deadline_that_does_not_round_trip_does_not_spin() -> None:
     """The bug: the front end woke at ``since + stall_timeout_s`` but aborted only if
     ``since <= now - stall_timeout_s``; in floats ``(since + T) - T`` can be less than
     ``since``, so at the deadline nothing was aborted and the next deadline was the same
-    instant, already past: a spin. Both now compare the same expression."""
+    instant, already past: a spin. Both compare the same expression."""
     # The request's first output arrives at t=1.360999553995268 and is never taken (capacity 1):
     # the session pauses then, and its stall deadline is 31.360999553995267, where
     # 31.360999553995267 - 30 < 1.360999553995268. Fixed, it ends RequestStalled at that time;

@@ -590,7 +590,7 @@ def test_exact_rows_of_parts_in_different_formats_do_not_depend_on_their_batch(r
 @pytest.mark.skipif(os.environ.get("TRIO_INFER_KERNEL_BUILDS") != "1",
                     reason="compiles the library a second time (~20-50 s): TRIO_INFER_KERNEL_BUILDS=1")
 def test_every_build_gives_the_same_bits(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The library built for AVX2 alone (no AVX-512: the old way of merging Q5_x's bit 4 and
+    """The library built for AVX2 alone (no AVX-512: the lane-wise way of merging Q5_x's bit 4 and
     Q6_K's bits 4-5 into the codes, one block a pass in the x8 GEMM, 8 lanes a vector in x16)
     gives bitwise this machine's build's products, exact and int8, at 1, 3 and 9 rows of
     x (the x8 and x16 kernels at 1, 3, 9 and 33), and the same packed bytes: the instruction sets change

@@ -59,9 +59,9 @@ def status(url: str) -> dict:  # type: ignore[type-arg]
 
 def kept_alive_tasks(poll: httpx.Client, url: str) -> int:
     """The front end's trio tasks as a status request on ``poll``'s kept-alive connection, past
-    its first request, sees them: that connection's idle timer is one of them from then on (its
-    task starts once the connection has idled with its read waiting: server.py, change 11), so
-    every count taken this way includes it."""
+    its first request, sees them: that connection's idle timer (a task of hypercorn's while the
+    connection waits for its next request) is one of them from then on, so every count taken
+    this way includes it."""
     return poll.get(url + "/v1/status").json()["tasks"]
 
 

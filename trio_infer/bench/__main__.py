@@ -24,7 +24,7 @@ COMMANDS = {
     "serve": (serve, "streaming load generator for an OpenAI-compatible server; with "
                      "--baseline llama-server, ours against llama.cpp's server end to end"),
     "overload": (overload, "a burst of 10x capacity against our server: 200 or 429 with "
-                           "Retry-After, TTFT bound, priorities (issue 24)"),
+                           "Retry-After, TTFT bound, priorities"),
     "startup": (startup, "seconds to the first /health answer and to healthy: serve, bare "
                          "hypercorn, llama-server"),
     "frontend": (frontend, "our HTTP stack alone, over a fake model"),

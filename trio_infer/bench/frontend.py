@@ -368,7 +368,7 @@ def run_order(systems: list[Any], repeats: int) -> list[tuple[int, Any]]:
     Why: the systems run one after another, and on a 2-core VM the first run of a repetition
     came out slower than the same server run later in it (three runs in the order ours (``serve``),
     bare hypercorn, anchor: ours' TTFT p99 was 1.14-1.22x bare's; a fourth with bare first:
-    bare's was 1.11x ours'; docs/benchmarks.md, the sixteenth stop). A
+    bare's was 1.11x ours'; Xeon, 2026-12-06). A
     fixed order puts that on the first system every time: ours, when its figures are the ones
     compared."""
     n = len(systems)

@@ -13,7 +13,7 @@ The prompts come in kinds (:data:`KINDS`), measured one kind or a mix at a time
 and three tasks whose answer a user expects to be the given text with a small change:
 ``typo`` (fix a misspelt name in a real function of the same module), ``json`` (return a JSON object with one field
 changed) and ``proofread`` (correct the spelling mistakes of a passage and return it whole).
-The default mix is the first three, the workload of the first measurements (docs/benchmarks.md).
+The default mix is the first three (docs/benchmarks.md has its figures).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ pages of a memory-mapped file it touched, as llama.cpp's mmap load does).
   weights, other weights, the KV pool, and the rest.
 - ``--baseline llama-server``: both sides as servers. Ours is ``python -m trio_infer serve``
   with a KV pool of ``--context`` tokens, and the figure is its batching worker's process (the
-  front end's is printed beside it: another issue's); llama-server (the binary ``bench
+  front end's is printed beside it); llama-server (the binary ``bench
   llama-server`` builds) runs with one slot of ``-c --context`` and its defaults. Each gets the
   same prompt of token ids by HTTP, greedy, 16 tokens, EOS ignored.
 

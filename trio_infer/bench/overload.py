@@ -1,5 +1,6 @@
 """``overload``: a burst of ``--burst-factor`` (10) times the server's capacity against our own
-server, interleaved with the same server unloaded, to check issue 24's promises under overload.
+server, interleaved with the same server unloaded, to check what the server promises under
+overload (README, "Overload and deadlines").
 
 Two servers run side by side, each ``python -m trio_infer serve`` on the fake model
 (``--fake-step-ms`` of simulated compute per engine step; ``--model PATH`` serves a real model

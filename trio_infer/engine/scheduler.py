@@ -56,7 +56,7 @@ from trio_infer.engine.sequence import Sequence, Status
 class ScheduledSeq(NamedTuple):
     """One sequence's part of a step. Immutable, and a tuple: one is built for every sequence
     of every step, and a frozen dataclass's ``__init__`` (a ``object.__setattr__`` per field)
-    cost 1.9 us of it, a tenth of the worker's CPU at 256 sequences (docs/benchmarks.md)."""
+    cost 1.9 us of it, a tenth of the worker's CPU at 256 sequences."""
 
     seq: Sequence
     start: int  # first token computed this step (the sequence's num_computed at schedule time)

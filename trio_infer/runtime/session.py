@@ -112,8 +112,7 @@ class Session:
             if left == 0 and self.paused_since is None:
                 self.paused_since = now
                 self._router.paused(self)
-            # Last: the reader's handler may take it here and now (OutputQueue.handle), and
-            # give its credit back (take), so the books above are done first.
+            # Last, once the books above are done: the reader may take it as soon as it is sent.
             self.outputs.send_nowait(out)
         else:
             self.outputs.send_nowait(out)

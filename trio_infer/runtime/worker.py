@@ -456,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     loaded.set()
     # What is loaded now (torch, the model's modules, the tokenizer) lives as long as the process:
-    # frozen out of the collector's sight, a full collection between steps no longer walks it.
+    # frozen out of the collector's sight, a full collection between steps does not walk it.
     # No gc.collect() first: on the default model it found 39 objects and no memory, for 0.1 s
     # more before the worker is ready.
     gc.freeze()
