@@ -9,7 +9,7 @@ app call, with two ASGI sends and nothing else.
 
 The answer is the one quart gives (``routes.health`` uses the same :func:`health_body`): the same
 status, body and headers (for ``HEAD`` too, whose body the server drops). A probe quart would treat differently (a body,
-a head bigger than ``max_header_bytes``, a query string) goes to quart as before.
+a head bigger than ``max_header_bytes``, a query string) goes to quart.
 """
 
 from __future__ import annotations
