@@ -115,7 +115,7 @@ class ReasoningCount:
 
     def __call__(self, choices: Sequence[ChoiceText]) -> int | None:
         """All choices' thinking tokens so far; None when one cannot be told, or the plan does
-        not split thinking out (a plain model's usage stays as it was)."""
+        not split thinking out (a plain model's usage has no reasoning count)."""
         if self.plan.reasoning is None:
             return None
         total = 0

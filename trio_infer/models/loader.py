@@ -311,7 +311,7 @@ def release_freed_memory() -> None:
 
 def _sharded(weights: Callable[[str], Iterator[tuple[str, torch.Tensor]]], plan: ShardPlan,
              desc: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors cut to one rank's slices, read one at a time as before."""
+    """The checkpoint's tensors cut to one rank's slices, still read one at a time."""
     for name, tensor in weights(desc):
         yield name, plan.take(name, tensor)
 
