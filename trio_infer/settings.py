@@ -2,7 +2,7 @@
 
 Every knob has one default and one check. The engine's knobs (page size, KV cache, batch limits)
 take their defaults from :class:`~trio_infer.engine.config.EngineConfig` and are checked by
-building one (``EngineConfig.from_settings``, the one place settings become an engine
+building one (``Settings.engine_config``, the one place settings become an engine
 configuration). How the processes of ``serve --api-workers`` find each other (a listening
 socket, the worker's address) is no setting: see :class:`Wiring`.
 """
@@ -307,8 +307,23 @@ class Settings(BaseSettings):
                 raise ValueError(f"dist_init_addr {self.dist_init_addr!r}: expected host:port")
 
     def engine_config(self) -> EngineConfig:
-        """The batching engine's configuration these settings ask for."""
-        return EngineConfig.from_settings(self)
+        """The batching engine's configuration these settings ask for (raises ValueError if it
+        is not one)."""
+        return EngineConfig(
+            page_size=self.page_size,
+            kv_cache_bytes=self.kv_cache_mb * 2**20,
+            max_running=self.max_running,
+            max_batched_tokens=self.max_batched_tokens,
+            kv_cache_dtype=self.kv_cache_dtype,
+            speculative=self.speculative,
+            speculative_tokens=self.speculative_tokens,
+            speculative_ngram=self.speculative_ngram,
+            speculative_ngram_min=self.speculative_ngram_min,
+            speculative_max_batch=self.speculative_max_batch,
+            speculative_min_acceptance=self.speculative_min_acceptance,
+            speculative_payoff=self.speculative_payoff,
+            speculative_draft_kv_bytes=self.speculative_draft_kv_mb * 2**20,
+        )
 
     def worker_threads(self) -> int:
         """The batching worker's torch and kernel threads: ``torch_threads``, or with 0 every
@@ -345,6 +360,13 @@ class Wiring:
 # one thread (docs/benchmarks.md): a barrier is met within microseconds when both threads run,
 # so a short spin catches it, and a thread whose partner was descheduled gives its core back soon.
 BRIEF_SPIN_COUNT = 1000
+
+
+def thread_shares(total: int, n: int) -> list[int]:
+    """``total`` threads split over ``n`` workers (data-parallel workers, or the tensor-parallel
+    ranks of one node) as evenly as possible, at least one each."""
+    base, extra = divmod(total, n)
+    return [max(1, base + (1 if i < extra else 0)) for i in range(n)]
 
 
 def worker_environment(settings: Settings) -> dict[str, str]:

@@ -14,8 +14,9 @@ import torch
 from trio_infer_kernels import cpu
 from trio_infer.engine.engine import Engine, EngineConfig
 from trio_infer.engine.forward_batch import ForwardBatch
+from trio_infer.engine.proposer import COOLDOWN_STEPS
 from trio_infer.engine.sampler import probabilities
-from trio_infer.engine.speculative import (COOLDOWN_STEPS, LONG_MATCH, Drafts, Payoff, PromptLookup,
+from trio_infer.engine.speculative import (LONG_MATCH, Drafts, Payoff, PromptLookup,
                                            verify)
 from trio_infer.models.base import ModelInfo
 from trio_infer.models.default_model import default_cache_dir, default_model_file

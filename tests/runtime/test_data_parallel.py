@@ -16,7 +16,8 @@ from trio_infer.engine.engine import Engine, EngineConfig
 from trio_infer.metrics import Metrics
 from trio_infer.models.fake import FakeModel
 from trio_infer.runtime.affinity import PrefixAffinity, RoundRobin, least_loaded, page_chain_hashes
-from trio_infer.runtime.data_parallel import open_data_parallel, thread_shares, worker_settings
+from trio_infer.runtime.data_parallel import open_data_parallel, worker_settings
+from trio_infer.settings import thread_shares
 from trio_infer.runtime.errors import EngineOverloaded, EngineUnavailable
 from trio_infer.runtime.transport import open_worker_task
 from trio_infer.settings import Settings

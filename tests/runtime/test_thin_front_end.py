@@ -69,7 +69,7 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.skipif(not SMOLLM2.exists(), reason=f"{SMOLLM2} is absent (`make venv` fetches it)")
 def test_neither_process_imports_torch_and_the_front_end_no_transformers_models(tmp_path: Path) -> None:
-    from trio_infer.runtime.tokenizer_cache import load_gguf_tokenizer_cached
+    from trio_infer.runtime.tokenizer import load_gguf_tokenizer_cached
 
     # The first start of a machine converts the GGUF tokenizer once (that imports torch and
     # transformers); the claim is about every start after it.

@@ -149,7 +149,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> 
         "word level": _word_level(root / "word-level"),
     }
     if SMOLLM2.exists():
-        from trio_infer.runtime.tokenizer_cache import cache_key, load_gguf_tokenizer_cached
+        from trio_infer.runtime.tokenizer import load_gguf_tokenizer_cached
+        from trio_infer.runtime.tokenizer_cache import cache_key
 
         load_gguf_tokenizer_cached(SMOLLM2, default_cache_dir())
         found["smollm2 gguf"] = default_cache_dir() / "tokenizers" / cache_key(SMOLLM2)

@@ -14,8 +14,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from trio_infer.models.default_model import default_cache_dir, default_model_file
-from trio_infer.runtime import tokenizer_cache
-from trio_infer.runtime.tokenizer_cache import cache_key, load_gguf_tokenizer_cached
+from trio_infer.runtime import tokenizer, tokenizer_cache
+from trio_infer.runtime.tokenizer import load_gguf_tokenizer_cached
+from trio_infer.runtime.tokenizer_cache import cache_key
 
 TEXTS = ["Hello, world!", "naïve café 123 <|im_end|>", "  spaces\tand\nlines "]
 
@@ -33,7 +34,7 @@ def converter(monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Path) -> list[Pa
         calls.append(path)
         return AutoTokenizer.from_pretrained(str(tiny_checkpoint))
 
-    monkeypatch.setattr(tokenizer_cache, "load_gguf_tokenizer", convert)
+    monkeypatch.setattr(tokenizer, "load_gguf_tokenizer", convert)
     return calls
 
 
@@ -41,7 +42,7 @@ def never_convert(monkeypatch: pytest.MonkeyPatch) -> None:
     def convert(path: Path) -> Any:
         raise AssertionError(f"{path} was converted again")
 
-    monkeypatch.setattr(tokenizer_cache, "load_gguf_tokenizer", convert)
+    monkeypatch.setattr(tokenizer, "load_gguf_tokenizer", convert)
 
 
 def gguf_bytes(metadata: bytes, weights: bytes = b"") -> bytes:

@@ -335,7 +335,7 @@ def run_tensor_parallel(path: Path, args: argparse.Namespace, workload: list, th
     with all ``threads``, each once per round, the order alternating by round."""
     import torch
 
-    from trio_infer.runtime.data_parallel import thread_shares
+    from trio_infer.settings import thread_shares
 
     if args.baseline:
         raise SystemExit("error: --tensor-parallel compares against one engine; no --baseline")
@@ -390,7 +390,7 @@ def _tokenizer(path: Path, args: argparse.Namespace) -> Any:
     """The model's tokenizer, for the grounded workload's chat template."""
     from trio_infer.models.default_model import default_cache_dir
     from trio_infer.runtime.tokenizer import load_saved_tokenizer
-    from trio_infer.runtime.tokenizer_cache import load_gguf_tokenizer_cached
+    from trio_infer.runtime.tokenizer import load_gguf_tokenizer_cached
 
     if is_gguf(path):
         return load_gguf_tokenizer_cached(path, args.cache_dir or default_cache_dir())

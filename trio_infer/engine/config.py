@@ -1,17 +1,15 @@
 """The engine's configuration: every knob of the batching engine, its one default, its one check.
 
 Torch-free (nothing here imports the engine), so that :class:`~trio_infer.settings.Settings`
-takes its defaults from here and checks its values by building one (:meth:`EngineConfig.
-from_settings` is the one place settings become an engine configuration).
+takes its defaults from here and checks its values by building one
+(:meth:`Settings.engine_config <trio_infer.settings.Settings.engine_config>` is the one place
+settings become an engine configuration).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from trio_infer.settings import Settings
+from typing import Literal
 
 KVCacheDType = Literal["auto", "float32", "float16", "bfloat16"]
 SpeculativeMethod = Literal["off", "ngram", "draft"]
@@ -69,25 +67,6 @@ class EngineConfig:
             raise ValueError("speculative_ngram_min must be <= speculative_ngram")
         if not 0 <= self.speculative_min_acceptance <= 1:
             raise ValueError("speculative_min_acceptance must be in [0, 1]")
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> EngineConfig:
-        """The engine configuration ``settings`` ask for (raises ValueError if it is not one)."""
-        return cls(
-            page_size=settings.page_size,
-            kv_cache_bytes=settings.kv_cache_mb * 2**20,
-            max_running=settings.max_running,
-            max_batched_tokens=settings.max_batched_tokens,
-            kv_cache_dtype=settings.kv_cache_dtype,
-            speculative=settings.speculative,
-            speculative_tokens=settings.speculative_tokens,
-            speculative_ngram=settings.speculative_ngram,
-            speculative_ngram_min=settings.speculative_ngram_min,
-            speculative_max_batch=settings.speculative_max_batch,
-            speculative_min_acceptance=settings.speculative_min_acceptance,
-            speculative_payoff=settings.speculative_payoff,
-            speculative_draft_kv_bytes=settings.speculative_draft_kv_mb * 2**20,
-        )
 
 
 DEFAULT = EngineConfig()

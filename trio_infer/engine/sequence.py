@@ -11,7 +11,7 @@ import numpy as np
 from trio_infer.wire import SamplingParams
 
 if TYPE_CHECKING:
-    from trio_infer.engine.speculative import Proposer
+    from trio_infer.engine.proposer import Proposer
     from trio_infer.wire import TokenLogprob
 
 

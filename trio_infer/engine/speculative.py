@@ -54,22 +54,16 @@ more after a draft it kept whole (up to ``speculative_tokens``), one less after 
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from trio_infer.engine.proposer import Proposer
 from trio_infer.engine.sampler import argmax_ids, probabilities
 
 if TYPE_CHECKING:
     from trio_infer.engine.sequence import Sequence
-
-# A sequence whose acceptance average falls below the threshold proposes nothing for this many
-# of its steps, then tries again.
-COOLDOWN_STEPS = 16
-# Weight of the newest verify step in a sequence's running acceptance average.
-_EMA = 0.3
 
 # A prompt-lookup match that agrees with the sequence's suffix for this many tokens at least is
 # a copy in progress: it drafts all k tokens (PromptLookup).
@@ -78,57 +72,6 @@ LONG_MATCH = 6
 # each for at most MAX_AGREEMENT tokens back.
 MAX_OCCURRENCES = 16
 MAX_AGREEMENT = 32
-
-
-class Proposer(ABC):
-    """One sequence's drafting state, whatever guesses its tokens: the draft length now and its
-    acceptance record, behind the off-switches (the same for every way of guessing).
-
-    The scheduler calls :meth:`propose` for a draft of at most ``limit`` tokens; the engine calls
-    :meth:`record` with what the verify step kept and :meth:`keep` with the sequence's new
-    ``num_computed``; the scheduler calls :meth:`release` when the sequence gives its pages
-    back (finish, abort, preemption). Two implementations: :class:`PromptLookup` (n-gram) and
-    :class:`~trio_infer.engine.draft.DraftProposer` (a draft model).
-    """
-
-    def __init__(self, num_tokens: int, min_acceptance: float) -> None:
-        self.num_tokens = num_tokens  # k: tokens proposed at most per step
-        self.min_acceptance = min_acceptance
-        self._length = num_tokens  # the draft length now, adapted by record()
-        self._acceptance = 1.0
-        self._cooldown = 0
-
-    @abstractmethod
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        """Up to ``limit`` tokens guessed to follow ``token_ids`` ([] for none)."""
-
-    def record(self, proposed: int, accepted: int) -> None:
-        """A verify step kept ``accepted`` of ``proposed`` drafts: adapt the draft length, update
-        the running average and switch proposals off for a while when it falls below the
-        threshold."""
-        if accepted == proposed:
-            self._length = min(self.num_tokens, self._length + 1)
-        else:
-            self._length = max(1, self._length - 1)
-        self._acceptance += _EMA * (accepted / proposed - self._acceptance)
-        if self._acceptance < self.min_acceptance:
-            self._cooldown = COOLDOWN_STEPS
-            self._acceptance = self.min_acceptance  # one more try after the cooldown
-
-    def keep(self, num_computed: int) -> None:
-        """The sequence's keys and values now stand for its first ``num_computed`` tokens (after
-        a verify step); a proposer with KV of its own rolls back past them."""
-
-    def release(self) -> None:
-        """The sequence gave back its pages (finish, abort, preemption): so does the proposer."""
-
-    def _draft_length(self, limit: int) -> int:
-        """How many tokens to guess this step: 0 while the off-switch holds the sequence (the
-        call counts its cooldown down), else the adapted length, at most ``limit``."""
-        if self._cooldown:
-            self._cooldown -= 1
-            return 0
-        return max(0, min(limit, self._length))
 
 
 class PromptLookup(Proposer):

@@ -13,8 +13,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from trio_infer.models.paths import TINY_MODEL_NAME
-
+# The id it is served under. This module imports nothing heavy at import time (torch comes with
+# the build), so models/paths.py, torch-free, resolves the name through it.
+TINY_MODEL_NAME = "trio-infer-tiny"
 TINY_MODEL_DIRNAME = "tiny-model"
 # A checkpoint folder may hold this one-line file naming the id it is served under by default;
 # the loader reads it. The tiny model uses it so it is served as TINY_MODEL_NAME rather than

@@ -6,9 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trio_infer.models.default_model import DEFAULT_MODEL_NAME, require_default_model
-
-# The name of the tiny random model (models/embedded.py, which imports torch to build it).
-TINY_MODEL_NAME = "trio-infer-tiny"
+from trio_infer.models.embedded import TINY_MODEL_NAME, ensure_tiny_model
 
 
 class GGUFError(ValueError):
@@ -59,8 +57,6 @@ def resolve_model_path(name_or_path: str | None, cache_dir: Path) -> Path:
             return path
         raise ValueError(f"{path} is neither a checkpoint folder nor a .gguf file")
     if name_or_path == TINY_MODEL_NAME:
-        from trio_infer.models.embedded import ensure_tiny_model
-
         return ensure_tiny_model(cache_dir)
     from huggingface_hub import snapshot_download
 

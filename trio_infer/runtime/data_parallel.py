@@ -47,10 +47,10 @@ from trio_infer.runtime.router import RouterStatistics
 from trio_infer.runtime.session import GenerationStream
 from trio_infer.runtime.transport import open_worker_process
 from trio_infer.runtime.worker_link import Connect, OnLoading
-from trio_infer.settings import Settings
+from trio_infer.settings import Settings, thread_shares
 from trio_infer.wire import Hello, SamplingParams, Uid
 
-__all__ = ["DataParallelEngine", "open_data_parallel", "thread_shares", "worker_settings"]
+__all__ = ["DataParallelEngine", "open_data_parallel", "worker_settings"]
 
 
 class DataParallelEngine:
@@ -172,12 +172,6 @@ class DataParallelEngine:
     def abort_all(self, error: EngineError) -> None:
         for w in self.workers:
             w.abort_all(error)
-
-
-def thread_shares(total: int, n: int) -> list[int]:
-    """``total`` threads split over ``n`` workers as evenly as possible, at least one each."""
-    base, extra = divmod(total, n)
-    return [max(1, base + (1 if i < extra else 0)) for i in range(n)]
 
 
 def worker_settings(settings: Settings) -> list[Settings]:

@@ -23,6 +23,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from trio_infer.runtime.tokenizer_cache import cache_key, load_gguf_tokenizer, store
 from trio_infer.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,6 @@ def build_tokenizer(settings: Settings, *, thin: bool = False) -> Any:
     constrained request and the fake model's vocabulary; ``thin``: the front end's). A GGUF
     file's is converted once and then read from ``cache_dir/tokenizers``
     (runtime/tokenizer_cache.py)."""
-    from trio_infer.runtime.tokenizer_cache import load_gguf_tokenizer_cached, store
-
     if settings.model == FAKE_MODEL:
         tok_dir = settings.cache_dir / "fake-tokenizer"
         if not tok_dir.is_dir():  # trained once, stored whole (several processes may race)
@@ -81,3 +80,19 @@ def load_saved_tokenizer(folder: str | Path, *, thin: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+def load_gguf_tokenizer_cached(gguf_file: Path, cache_dir: Path, *, thin: bool = False) -> Any:
+    """The tokenizer of ``gguf_file``, from ``cache_dir`` (its ``tokenizers`` folder) when it was
+    converted before, else converted now and stored there (``thin``: see
+    :func:`load_saved_tokenizer`)."""
+    entry = cache_dir / "tokenizers" / cache_key(gguf_file)
+    if not entry.is_dir():
+        log.info("converting the tokenizer of %s (cached for later starts in %s)", gguf_file, entry)
+        tokenizer = load_gguf_tokenizer(gguf_file)
+        try:
+            store(entry, tokenizer.save_pretrained)
+        except OSError as exc:  # a read-only cache: serve anyway, convert again next time
+            log.warning("could not cache the tokenizer in %s: %s", entry, exc)
+            return tokenizer
+    return load_saved_tokenizer(entry, thin=thin)

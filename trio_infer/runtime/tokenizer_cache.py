@@ -18,7 +18,7 @@ An entry is written to a temporary folder beside it and renamed into place, so a
 half of one; when two processes convert at once (the front end and the worker at a first start),
 the first rename wins and the other drops its copy. Every process loads the tokenizer from the
 saved entry, even right after converting it, so the front end and the worker always tokenize with
-the same files.
+the same files (``runtime/tokenizer.py: load_gguf_tokenizer_cached`` puts the two together).
 """
 
 from __future__ import annotations
@@ -47,24 +47,6 @@ def cache_key(gguf_file: Path) -> str:
         digest = hashlib.blake2b(f.read(end), digest_size=20)
     digest.update(b"\0transformers " + version("transformers").encode())
     return digest.hexdigest()
-
-
-def load_gguf_tokenizer_cached(gguf_file: Path, cache_dir: Path, *, thin: bool = False) -> Any:
-    """The tokenizer of ``gguf_file``, from ``cache_dir`` (its ``tokenizers`` folder) when it was
-    converted before, else converted now and stored there (``thin``: see
-    ``runtime/tokenizer.py: load_saved_tokenizer``)."""
-    from trio_infer.runtime.tokenizer import load_saved_tokenizer
-
-    entry = cache_dir / "tokenizers" / cache_key(gguf_file)
-    if not entry.is_dir():
-        log.info("converting the tokenizer of %s (cached for later starts in %s)", gguf_file, entry)
-        tokenizer = load_gguf_tokenizer(gguf_file)
-        try:
-            store(entry, tokenizer.save_pretrained)
-        except OSError as exc:  # a read-only cache: serve anyway, convert again next time
-            log.warning("could not cache the tokenizer in %s: %s", entry, exc)
-            return tokenizer
-    return load_saved_tokenizer(entry, thin=thin)
 
 
 def load_gguf_tokenizer(gguf_file: Path) -> Any:

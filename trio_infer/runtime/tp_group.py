@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from trio_infer.engine.forward_batch import ForwardBatch
-from trio_infer.settings import Settings, worker_environment
+from trio_infer.settings import Settings, thread_shares, worker_environment
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,6 @@ class Layout:
 
 def rank_threads(settings: Settings, layout: Layout) -> int:
     """A rank's torch and kernel threads: the node's worker threads split over its ranks."""
-    from trio_infer.runtime.data_parallel import thread_shares
-
     return thread_shares(settings.worker_threads(), layout.per_node)[0]
 
 
