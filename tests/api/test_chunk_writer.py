@@ -16,13 +16,12 @@ from trio_infer.api.events import (
     Content,
     Finish,
     Reasoning,
-    ResponseEvents,
     ToolCallArguments,
     ToolCallStart,
     gather,
-    parsed_events,
 )
 from trio_infer.api.plans import Plan
+from trio_infer.api.response_events import ResponseEvents, parsed_events
 from trio_infer.api.render import ChatSerializer, CompletionSerializer, serializer
 from trio_infer.api.tools import HERMES, JSON, ToolPlan
 from trio_infer.runtime.text_stream import ChoiceDelta

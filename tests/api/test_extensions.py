@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from trio_infer.api.errors import APIError
-from trio_infer.api.events import Content, Finish, Reasoning, ResponseEvents, ThinkSplit, reasoning_tokens
+from trio_infer.api.events import Content, Finish, Reasoning
+from trio_infer.api.response_events import ResponseEvents, ThinkSplit, reasoning_tokens
 from trio_infer.api.plans import ModelLimits, ReasoningPlan, plan_chat, template_thinks
 from trio_infer.api.protocol import ChatCompletionRequest
 from trio_infer.engine.engine import Engine, EngineConfig

@@ -64,7 +64,7 @@ class Plan:
     # stop string that ended a choice kept at its end (vLLM's include_stop_str_in_output).
     skip_special_tokens: bool = True
     include_stop_str: bool = False
-    # A chat request to a reasoning model: its thinking is split out of the answer (events.py).
+    # A chat request to a reasoning model: its thinking is split out of the answer (response_events.py: ThinkSplit).
     reasoning: ReasoningPlan | None = None
     # The request's 'timeout' field: its deadline in seconds (routes.py adds X-Request-Timeout,
     # the runtime request_timeout_s). Its 'priority' is in each SamplingParams.

@@ -21,9 +21,9 @@ from trio_infer.api.events import (
     ToolCallArguments,
     ToolCallStart,
     gather,
-    reasoning_tokens,
 )
 from trio_infer.api.plans import Plan
+from trio_infer.api.response_events import reasoning_tokens
 
 if TYPE_CHECKING:
     from trio_infer.runtime.text_stream import ChoiceText
@@ -105,7 +105,7 @@ def usage(plan: Plan, choices: Sequence[ChoiceText], reasoning: int | None = Non
 
 
 class ReasoningCount:
-    """The thinking tokens of a request's choices (``events.reasoning_tokens``), for the usage
+    """The thinking tokens of a request's choices (``response_events.reasoning_tokens``), for the usage
     of a reasoning model's answer; a choice whose thinking has ended is counted once."""
 
     def __init__(self, plan: Plan, texts: TokenText) -> None:

@@ -16,9 +16,9 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable
 
 from trio_infer.api.errors import APIError, from_engine_error, internal_error
-from trio_infer.api.events import ResponseEvents
 from trio_infer.api.plans import Plan
 from trio_infer.api.render import Serializer, TokenText, serializer
+from trio_infer.api.response_events import ResponseEvents
 from trio_infer.api.state import ServerState
 from trio_infer.runtime.errors import EngineError
 from trio_infer.runtime.text_stream import (

@@ -1,7 +1,7 @@
 """The HTTP routes served through quart. Handlers only validate (plans.py) and render
 (render.py); a request's text comes from its :class:`~trio_infer.runtime.text_stream.TextStream`,
 and what the text says (its content, tool calls, finish) from
-:class:`~trio_infer.api.events.ResponseEvents`; respond.py turns a plan into the answer.
+:class:`~trio_infer.api.response_events.ResponseEvents`; respond.py turns a plan into the answer.
 
 The two hot routes, ``POST /v1/chat/completions`` and ``/v1/completions``, are not here: they are
 answered before quart (direct.py says why), with the same checks (checks.py) and the same

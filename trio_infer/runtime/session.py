@@ -15,27 +15,46 @@ and only here:
   against ``max_waiting_tokens``), when it first scheduled one (the end of its queue time, for
   ``max_queue_time_s``), and its deadline (``timeout``), if any.
 
-The session talks to the :class:`~trio_infer.runtime.router.Router` that made it through its
-public methods only (queue an abort or a credit, say it paused or ended); the reader talks to the
+The session talks to the :class:`~trio_infer.runtime.router.Router` that made it through the
+methods :class:`SessionOwner` names (queue an abort or a credit, say it paused or ended), stated
+here so that the router imports the session and not the other way round; the reader talks to the
 session through :class:`GenerationStream`. All methods are synchronous: closing runs even under
 cancellation, and nothing waits.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import trio
 
 from trio_infer.runtime.errors import EngineError
 from trio_infer.wire import ProtocolError, RequestOutput, Uid
 
-if TYPE_CHECKING:
-    from trio_infer.runtime.router import Router
+
+class SessionOwner(Protocol):
+    """What a session tells the router that made it (``router.py: Router``)."""
+
+    def started(self, session: Session, now: float) -> None: ...
+
+    def left_queue(self, session: Session, tokens: int, admitted: bool, first: bool,
+                   now: float | None) -> None: ...
+
+    def ended(self, session: Session, index: int, reason: str) -> None: ...
+
+    def paused(self, session: Session) -> None: ...
+
+    def resumed(self, session: Session) -> None: ...
+
+    def credit(self, uid: Uid, n: int = 1) -> None: ...
+
+    def abort(self, uid: Uid) -> None: ...
+
+    def closed(self, session: Session) -> None: ...
 
 
 class Session:
-    def __init__(self, router: Router, request_id: int, prompt_tokens: Sequence[int], credits: int,
+    def __init__(self, router: SessionOwner, request_id: int, prompt_tokens: Sequence[int], credits: int,
                  arrival: float, timeout_s: float | None = None) -> None:
         """``prompt_tokens``: each choice's prompt length (a choice per entry). With
         ``timeout_s`` the request's deadline is ``arrival + timeout_s``."""
