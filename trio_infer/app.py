@@ -43,6 +43,7 @@ from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import open_engine
 from trio_infer.runtime.data_parallel import open_data_parallel
 from trio_infer.runtime.errors import EngineUnavailable
+from trio_infer.runtime.in_process import in_process
 from trio_infer.runtime.transport import WorkerProcess
 from trio_infer.settings import Settings, Wiring
 from trio_infer.wire import Loading
@@ -226,7 +227,8 @@ async def _run_engine(
         # data_parallel with api_workers).
         opened = open_data_parallel(settings, state.metrics, on_loading=on_loading)
     else:
-        opened = open_engine(settings, engine, state.metrics, on_loading=on_loading,
+        opened = open_engine(settings, in_process(engine) if engine is not None else None,
+                             state.metrics, on_loading=on_loading,
                              wiring=state.wiring, started=worker)
     async with opened as serving:
         task_status.started(serving)

@@ -28,7 +28,7 @@ from trio_infer.metrics import Metrics
 from trio_infer.models.fake import FakeModel
 from trio_infer.runtime.data_parallel import DataParallelEngine, open_data_parallel
 from trio_infer.runtime.router import RouterStatistics
-from trio_infer.runtime.transport import MemoryConnection, open_worker_task
+from trio_infer.runtime.in_process import MemoryConnection, open_worker_task
 from trio_infer.wire import SamplingParams
 
 from .runner import (

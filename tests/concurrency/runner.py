@@ -2,8 +2,8 @@
 (:class:`~trio_infer.runtime.client.AsyncEngine`), the protocol's bytes, and the batching worker
 (:class:`~trio_infer.runtime.worker.WorkerCore`) over the in-memory transport, on the real engine.
 
-``open_engine(settings, engine=probe)`` runs the worker as a trio task of the test's own
-``trio.run`` (``transport.open_worker_task``: the same ``WorkerCore`` and the same frames as a
+``open_engine(settings, in_process(probe))`` runs the worker as a trio task of the test's own
+``trio.run`` (``in_process.open_worker_task``: the same ``WorkerCore`` and the same frames as a
 worker process, carried by memory channels), with the fake model's steps inline, so everything
 runs under one ``MockClock(autojump_threshold=0)``: sleeps, slow readers and stall timeouts cost
 no wall time, and a deadlock jumps straight to the :func:`watchdog`'s deadline instead of hanging.
@@ -50,6 +50,7 @@ from trio_infer.engine.kv_cache import KVCache
 from trio_infer.engine.sequence import Sequence, Status
 from trio_infer.metrics import Metrics
 from trio_infer.models.fake import FakeModel
+from trio_infer.runtime.in_process import in_process
 from trio_infer.runtime.client import AsyncEngine, GenerationStream, open_engine
 from trio_infer.runtime.errors import EngineError, EngineUnavailable
 from trio_infer.runtime.worker import WorkerCore
@@ -722,7 +723,7 @@ async def _main(sc: Scenario, guard: SpinGuard) -> Report:
 
     async def serve(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         with engine_scope:
-            async with open_engine(settings, engine=engine, metrics=Metrics()) as ae:
+            async with open_engine(settings, in_process(engine), metrics=Metrics()) as ae:
                 engine.ae = ae
                 engine.core = ae.connection.core  # type: ignore[union-attr]
                 engine.tap = SessionTap(ae, probe)

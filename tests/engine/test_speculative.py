@@ -486,6 +486,7 @@ async def test_front_end_takes_multi_token_outputs_within_credits(autojump_clock
 
     from trio_infer.metrics import Metrics
     from trio_infer.runtime.client import open_engine
+    from trio_infer.runtime.in_process import in_process
     from trio_infer.settings import Settings
 
     engine = Engine(Successor(), EngineConfig(page_size=4, num_pages=64, **SPEC))
@@ -493,7 +494,7 @@ async def test_front_end_takes_multi_token_outputs_within_credits(autojump_clock
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     metrics = Metrics(speculative=True)
     settings = Settings(channel_capacity=1, stall_timeout_s=60.0, speculative="ngram")
-    async with open_engine(settings, engine=engine, metrics=metrics) as ae:
+    async with open_engine(settings, in_process(engine), metrics=metrics) as ae:
         outs = []
         async with ae.generate(prompt, [params, params]) as stream:
             async for batch in stream:

@@ -19,7 +19,7 @@ from trio_infer.runtime.errors import (
     RequestFailed,
     RequestStalled,
 )
-from trio_infer.runtime.transport import open_worker_task
+from trio_infer.runtime.in_process import in_process, open_worker_task
 from trio_infer.settings import Settings
 
 VOCAB = 101
@@ -68,7 +68,7 @@ async def test_concurrent_requests_get_exact_outputs(autojump_clock) -> None:
     model = engine.model
     prompts = [[i + 1] * (i + 2) for i in range(12)]
     results: dict = {}
-    async with open_engine(settings(), engine=engine) as ae:
+    async with open_engine(settings(), in_process(engine)) as ae:
         async with trio.open_nursery() as n:
             for i, p in enumerate(prompts):
                 async def one(i=i, p=p):
@@ -83,7 +83,7 @@ async def test_concurrent_requests_get_exact_outputs(autojump_clock) -> None:
 
 async def test_n_choices_share_one_session(autojump_clock) -> None:
     engine = make()
-    async with open_engine(settings(), engine=engine) as ae:
+    async with open_engine(settings(), in_process(engine)) as ae:
         got = await collect(ae, [1, 2, 3], [GREEDY, GREEDY])
         assert set(got) == {0, 1}
         assert [t for o in got[0] for t in o.token_ids] == [t for o in got[1] for t in o.token_ids]
@@ -93,7 +93,7 @@ async def test_n_choices_share_one_session(autojump_clock) -> None:
 @pytest.mark.parametrize("after", [0, 1, 3])
 async def test_leaving_early_aborts_and_frees(autojump_clock, after: int) -> None:
     engine = make()
-    async with open_engine(settings(), engine=engine) as ae:
+    async with open_engine(settings(), in_process(engine)) as ae:
         async with ae.generate([5] * 30, [SamplingParams(temperature=0, ignore_eos=True)]) as s:
             for _ in range(after):
                 await s.__anext__()
@@ -105,7 +105,7 @@ async def test_leaving_early_aborts_and_frees(autojump_clock, after: int) -> Non
 
 async def test_cancel_while_queued_frees_the_slot(autojump_clock) -> None:
     engine = make(max_running=1)
-    async with open_engine(settings(), engine=engine) as ae:
+    async with open_engine(settings(), in_process(engine)) as ae:
         long = SamplingParams(temperature=0, ignore_eos=True, max_tokens=50)
         async with ae.generate([1], [long]):  # not read: paused, it keeps the only slot
             await trio.testing.wait_all_tasks_blocked()
@@ -124,7 +124,7 @@ async def test_slow_reader_pauses_then_resumes_exactly(autojump_clock) -> None:
     engine = make()
     model = engine.model
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=20)
-    async with open_engine(settings(channel_capacity=3, stall_timeout_s=1e9), engine=engine) as ae:
+    async with open_engine(settings(channel_capacity=3, stall_timeout_s=1e9), in_process(engine)) as ae:
         async with ae.generate([7, 7], [params]) as stream:
             await trio.testing.wait_all_tasks_blocked()
             seq = engine._seqs[(stream.request_id, 0)]
@@ -142,7 +142,7 @@ async def test_slow_reader_pauses_then_resumes_exactly(autojump_clock) -> None:
 async def test_stalled_reader_is_aborted_after_timeout(autojump_clock) -> None:
     engine = make()
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=50)
-    async with open_engine(settings(channel_capacity=2, stall_timeout_s=5), engine=engine) as ae:
+    async with open_engine(settings(channel_capacity=2, stall_timeout_s=5), in_process(engine)) as ae:
         async with ae.generate([1], [params]) as stream:
             t0 = trio.current_time()
             await trio.sleep(100)  # never reads
@@ -170,7 +170,7 @@ class Exploding(FakeModel):
 async def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(autojump_clock) -> None:
     model = Exploding(bad_token=66, vocab_size=VOCAB)
     engine = Engine(model, EngineConfig(page_size=4, num_pages=64, max_running=8, max_batched_tokens=16))
-    async with open_engine(settings(), engine=engine) as ae:
+    async with open_engine(settings(), in_process(engine)) as ae:
         with pytest.raises(RequestFailed, match="boom"):
             await collect(ae, [66, 1], [GREEDY])
         good = await collect(ae, [1, 2], [GREEDY])
@@ -182,7 +182,7 @@ async def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(autoj
 
 async def test_worker_crash_marks_unhealthy_and_fails_sessions(autojump_clock) -> None:
     engine = make()
-    async with open_engine(settings(), engine=engine) as ae:
+    async with open_engine(settings(), in_process(engine)) as ae:
         def broken():
             raise RuntimeError("scheduler bug")
         async with ae.generate([1], [GREEDY]) as stream:
@@ -199,7 +199,7 @@ async def test_worker_crash_marks_unhealthy_and_fails_sessions(autojump_clock) -
 
 async def test_waiting_cap_overload(autojump_clock) -> None:
     engine = make(max_running=1)
-    async with open_engine(settings(max_waiting=1), engine=engine) as ae:
+    async with open_engine(settings(max_waiting=1), in_process(engine)) as ae:
         long = SamplingParams(temperature=0, ignore_eos=True, max_tokens=30)
         async with ae.generate([1], [long]):
             await trio.testing.wait_all_tasks_blocked()
@@ -212,7 +212,7 @@ async def test_waiting_cap_overload(autojump_clock) -> None:
 
 async def test_drain_rejects_new_and_abort_all_ends_live(autojump_clock) -> None:
     engine = make()
-    async with open_engine(settings(), engine=engine) as ae:
+    async with open_engine(settings(), in_process(engine)) as ae:
         async with ae.generate([1], [SamplingParams(temperature=0, ignore_eos=True)]) as stream:
             ae.begin_drain()
             with pytest.raises(EngineUnavailable, match="shutting down"):
@@ -229,7 +229,7 @@ async def test_shutdown_stops_the_worker_and_fails_sessions(autojump_clock) -> N
     engine = make()
     errors = []
     async with trio.open_nursery() as outer:
-        async with open_engine(settings(), engine=engine) as ae:
+        async with open_engine(settings(), in_process(engine)) as ae:
             async def reader(task_status=trio.TASK_STATUS_IGNORED):
                 try:
                     async with ae.generate([1], [SamplingParams(temperature=0, ignore_eos=True)]) as s:
@@ -258,7 +258,7 @@ async def test_health_of_event_loop_while_thread_steps(autojump_clock) -> None:
 
 async def test_prefix_cache_metrics(autojump_clock) -> None:
     engine = make()
-    async with open_engine(settings(), engine=engine) as ae:
+    async with open_engine(settings(), in_process(engine)) as ae:
         shared = list(range(1, 17))  # four pages of 4
         await collect(ae, shared + [20], [GREEDY])
         await collect(ae, shared + [30], [GREEDY])
@@ -273,7 +273,7 @@ async def test_finishing_one_choice_stops_its_sequence(autojump_clock) -> None:
     engine = make()
     model = engine.model
     long = SamplingParams(temperature=0, ignore_eos=True, max_tokens=40)
-    async with open_engine(settings(), engine=engine) as ae:
+    async with open_engine(settings(), in_process(engine)) as ae:
         got: dict[int, list[int]] = {0: [], 1: []}
         async with ae.generate([4, 5], [long, long]) as stream:
             async for outs in stream:
@@ -291,7 +291,7 @@ async def test_finishing_one_choice_stops_its_sequence(autojump_clock) -> None:
 
 async def test_wait_sessions_done(autojump_clock) -> None:
     engine = make()
-    async with open_engine(settings(), engine=engine) as ae:
+    async with open_engine(settings(), in_process(engine)) as ae:
         await ae.wait_sessions_done()  # none: returns at once
         done = []
         async with trio.open_nursery() as n:
@@ -374,7 +374,7 @@ async def test_ending_the_choice_that_was_out_of_credits_unpauses_the_session(au
     session must not stay marked as stalled (it would be aborted after stall_timeout_s)."""
     engine = make()
     long = SamplingParams(temperature=0, ignore_eos=True, max_tokens=40)
-    async with open_engine(settings(channel_capacity=2, stall_timeout_s=5), engine=engine) as ae:
+    async with open_engine(settings(channel_capacity=2, stall_timeout_s=5), in_process(engine)) as ae:
         async with ae.generate([4, 5], [long, long]) as stream:
             await trio.testing.wait_all_tasks_blocked()  # both choices out of credits: paused
             stream.finish(0)  # choice 0 ends (as when a stop string matched)
@@ -390,7 +390,7 @@ async def test_a_request_that_cannot_be_encoded_fails_alone(autojump_clock) -> N
     """An integer the wire cannot carry (top_k of 10^20) is refused when the request is queued,
     in the request's own task: the connection and the other requests go on."""
     engine = make()
-    async with open_engine(settings(), engine=engine) as ae:
+    async with open_engine(settings(), in_process(engine)) as ae:
         async with trio.open_nursery() as n:
             results = {}
 
@@ -415,7 +415,7 @@ async def test_a_front_end_bug_is_not_taken_for_a_worker_death(autojump_clock, m
     monkeypatch.setattr(AsyncEngine, "_update_gauges", bug)
     engine = make()
     with pytest.raises(BaseExceptionGroup) as info:
-        async with open_engine(settings(), engine=engine) as ae:
+        async with open_engine(settings(), in_process(engine)) as ae:
             await collect(ae, [1, 2], [GREEDY])
     assert info.group_contains(ZeroDivisionError, match="a bug in the front end")
     assert "batching worker" not in caplog.text  # not reported as the worker's death

@@ -19,7 +19,7 @@ from trio_infer.runtime.affinity import PrefixAffinity, RoundRobin, least_loaded
 from trio_infer.runtime.data_parallel import open_data_parallel, worker_settings
 from trio_infer.settings import thread_shares
 from trio_infer.runtime.errors import EngineOverloaded, EngineUnavailable
-from trio_infer.runtime.transport import open_worker_task
+from trio_infer.runtime.in_process import open_worker_task
 from trio_infer.settings import Settings
 from trio_infer.wire import SamplingParams
 

@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from trio_infer.models.default_model import default_cache_dir, default_model_file
 from trio_infer.models.parallel import ShardError, ShardPlan, split_even
 from trio_infer.models.llama import LlamaSpec
+from trio_infer.runtime.in_process import in_process as serve_in_process
 from trio_infer.runtime.client import open_engine
 from trio_infer.settings import Settings
 from trio_infer.wire import SamplingParams
@@ -158,7 +159,7 @@ async def greedy(settings: Settings, prompts: list[list[int]],
                              logprobs=0)]
     got: dict[int, list[tuple[int, float]]] = {}
     with trio.fail_after(300):
-        async with open_engine(settings, engine) as async_engine:
+        async with open_engine(settings, serve_in_process(engine)) as async_engine:
             async with async_engine.generate_batch(prompts, params) as stream:
                 async for outs in stream:
                     for o in outs:

@@ -42,7 +42,7 @@ import itertools
 import logging
 import math
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
 import trio
 
@@ -61,7 +61,6 @@ from trio_infer.runtime.transport import (
     WorkerProcess,
     open_worker_process,
     open_worker_socket,
-    open_worker_task,
 )
 from trio_infer.runtime.worker_link import (
     Connect,
@@ -74,9 +73,6 @@ from trio_infer.runtime.worker_link import (
 )
 from trio_infer.settings import Settings, Wiring
 from trio_infer.wire import EngineStatistics, Fatal, Hello, ProtocolError, SamplingParams, Step, Uid
-
-if TYPE_CHECKING:
-    from trio_infer.engine.engine import Engine
 
 __all__ = ["AsyncEngine", "GenerationStream", "WorkerStartError", "open_engine"]
 
@@ -327,14 +323,9 @@ class AsyncEngine:
             m.tokens_per_step.set(s.sampled_tokens / s.sample_steps)
 
 
-def is_instant(engine: Engine) -> bool:
-    """Models whose forward is instant run inline in the worker task, without a thread hop."""
-    return getattr(engine.model, "instant", False)
-
-
 @asynccontextmanager
 async def open_engine(
-    settings: Settings, engine: Engine | None = None, metrics: Metrics | None = None, *,
+    settings: Settings, connect: Connect | None = None, metrics: Metrics | None = None, *,
     on_loading: OnLoading | None = None, wiring: Wiring = Wiring(),
     started: WorkerProcess | None = None,
 ) -> AsyncIterator[AsyncEngine]:
@@ -342,8 +333,9 @@ async def open_engine(
     engine once it is ready; on exit stop the worker and wait for it. ``on_loading`` hears the
     worker's progress reports while it loads (at every restart too), then None.
 
-    With ``engine`` (an :class:`~trio_infer.engine.engine.Engine` this program built), the worker
-    is a task of this process over the same protocol instead (tests, embedding). With
+    With ``connect`` (an engine this program built, served in a task of this process over the
+    same protocol: ``runtime/in_process.py: in_process(engine)``; tests, embedding), that is the
+    worker instead, and it is not restarted. With
     ``wiring.worker_address`` (a front end of ``serve --api-workers``), it is the supervisor's
     shared worker, connected to (and reconnected to) on that socket. ``started``: a worker process
     already started for ``settings`` (``serve`` starts it before its own imports), which the first
@@ -352,12 +344,14 @@ async def open_engine(
     ``async with open_engine(settings) as engine:`` then, per request,
     ``async with engine.generate(prompt_ids, [params]) as stream: async for outs in stream: ...``
     """
-    if engine is None and wiring.worker_address is not None:
+    if connect is not None:
+        restart = False
+    elif wiring.worker_address is not None:
         # A shared worker that a supervisor runs (and restarts): connect, and reconnect.
         address, timeout = wiring.worker_address, wiring.worker_connect_timeout_s
-        connect: Connect = lambda: open_worker_socket(address, timeout)  # noqa: E731
+        connect = lambda: open_worker_socket(address, timeout)  # noqa: E731
         restart = True
-    elif engine is None:
+    else:
         def connect_own() -> AbstractAsyncContextManager[Connection]:
             nonlocal started  # the worker already started, if any, is the first connection's
             first, started = started, None
@@ -365,10 +359,6 @@ async def open_engine(
 
         connect = connect_own
         restart = True
-    else:
-        in_thread = not is_instant(engine)
-        connect = lambda: open_worker_task(engine, in_thread=in_thread)  # noqa: E731
-        restart = False
     async_engine = AsyncEngine(settings, connect, metrics, restart=restart, on_loading=on_loading)
     async with trio.open_nursery() as nursery:
         await nursery.start(async_engine.run)

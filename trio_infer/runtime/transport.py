@@ -1,34 +1,29 @@
-"""How a batching worker is reached: a child process over a socket pair, a shared worker's Unix
-socket, or (for tests and programs that hold an engine object) a trio task over memory channels.
-All carry the same bytes, so everything above them is the same code.
+"""How a batching worker is reached: a child process over a socket pair, or a shared worker's Unix
+socket (an engine this process holds is served in a task over memory channels instead:
+``runtime/in_process.py``, on the worker's side). All carry the same bytes, so everything above
+them is the same code.
 
 Each ``open_*`` function is an async context manager giving a
 :class:`~trio_infer.runtime.worker_link.Connection`: it starts (or reaches) the worker and, on
 exit for any reason, stops it and waits for it: a worker process is always reaped, never left
 behind. :class:`~trio_infer.runtime.worker_link.WorkerLink` does the rest (handshake, restarts).
 
-Nothing here imports the engine at module level: a front end that spawns a worker process never
-loads torch; only :func:`open_worker_task` (the caller already holds an engine) reaches for it.
+Nothing here imports the engine: a front end that spawns a worker process never loads torch.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import subprocess
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
 import trio
 
 from trio_infer.runtime.spawn import spawn_worker
 from trio_infer.settings import Settings
-
-if TYPE_CHECKING:
-    from trio_infer.engine.engine import Engine
-    from trio_infer.runtime.worker import WorkerCore
 
 log = logging.getLogger(__name__)
 
@@ -125,59 +120,3 @@ async def open_worker_socket(path: str, timeout_s: float) -> AsyncIterator[trio.
     finally:
         with trio.CancelScope(shield=True):
             await stream.aclose()
-
-
-class MemoryConnection:
-    """The front end's end of an in-process worker."""
-
-    def __init__(
-        self,
-        core: WorkerCore,
-        send: trio.MemorySendChannel[bytes],
-        receive: trio.MemoryReceiveChannel[bytes],
-    ) -> None:
-        self.core = core
-        self._send = send
-        self._receive = receive
-
-    async def send_all(self, data: bytes) -> None:
-        try:
-            self._send.send_nowait(data)
-        except trio.ClosedResourceError:
-            raise trio.BrokenResourceError("the worker is gone") from None
-
-    async def receive_some(self) -> bytes:
-        try:
-            return await self._receive.receive()
-        except trio.EndOfChannel:
-            return b""
-
-    def nudge(self) -> None:
-        """Make an idle worker look at its engine again (tests that gate ``schedule``)."""
-        self._send.send_nowait(b"")
-
-
-@asynccontextmanager
-async def open_worker_task(engine: Engine, *, in_thread: bool) -> AsyncIterator[MemoryConnection]:
-    """Run ``engine`` behind the protocol in a task of this process: each step inline on the event
-    loop (instant models: exact under a mock clock) or in a worker thread (``in_thread``)."""
-    from trio_infer.runtime.worker import WorkerCore, serve_task
-
-    to_worker, inbox = trio.open_memory_channel[bytes](math.inf)
-    outbox, from_worker = trio.open_memory_channel[bytes](math.inf)
-    core = WorkerCore(engine)
-
-    async def worker() -> None:
-        # As a worker process would: a crash is logged and closes the pipe (serve_task closes its
-        # outbox), and the front end sees a worker death, not an exception of its own.
-        try:
-            await serve_task(core, inbox, outbox, in_thread)
-        except Exception:
-            log.exception("the in-process batching worker crashed")
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(worker)
-        try:
-            yield MemoryConnection(core, to_worker, from_worker)
-        finally:
-            nursery.cancel_scope.cancel()

@@ -326,7 +326,7 @@ async def serve_task(
     in_thread: bool,
 ) -> None:
     """:func:`serve` for one front end, as a trio task over memory channels (an engine object
-    this process holds: ``transport.open_worker_task``). The step runs inline on the event loop
+    this process holds: ``in_process.open_worker_task``). The step runs inline on the event loop
     (instant models: exact under a mock clock) or in a worker thread (``in_thread``)."""
     import trio
 
