@@ -191,7 +191,7 @@ def settle_heap() -> None:
     full collections in one run, ~430 ms of the front end's CPU (about 8% of it; measured with
     ``gc.callbacks`` and ``time.thread_time``). At 20,000: 5 young collections and no other,
     ~50 ms. The older generations keep their thresholds, so cyclic garbage is still collected,
-    only later; 20,000 young objects are a few MB at most (docs/benchmarks.md, issue 21, round 4)."""
+    only later; 20,000 young objects are a few MB at most."""
     gc.freeze()
     gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
 

@@ -357,7 +357,7 @@ class Wiring:
 # The spins of the 'brief' wait policy: libgomp's own estimate is about 100 spins a microsecond,
 # so ~10 us before a waiting thread sleeps. At batch 1 on SmolLM2-135M Q4_1, two threads' decode
 # step took 5.5-6.4 ms with 1,000 to 50,000 spins alike, 16.7 ms sleeping at once and 10.5 ms on
-# one thread (docs/benchmarks.md): a barrier is met within microseconds when both threads run,
+# one thread (bench offline --threads 2, Zen 3): a barrier is met within microseconds when both threads run,
 # so a short spin catches it, and a thread whose partner was descheduled gives its core back soon.
 BRIEF_SPIN_COUNT = 1000
 

@@ -1,7 +1,8 @@
 """Server-sent events exactly as the OpenAI API sends them: ``data: {json}\\n\\n`` ... ``data: [DONE]``.
 
 Several events may be joined into one string: the server writes each engine step's output for a
-request with a single send (one ASGI send costs ~60 µs of server CPU; measured on this stack, see docs/benchmarks.md).
+request with a single send (an ASGI send through hypercorn costs far more of the front end's CPU
+than joining strings: docs/benchmarks.md, ``frontend``).
 """
 
 from __future__ import annotations

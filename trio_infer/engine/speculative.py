@@ -7,9 +7,10 @@ followed the latest earlier occurrence of the sequence's last ``n`` tokens are a
 the ones that come next (longest match first, from ``speculative_ngram`` down to
 ``speculative_ngram_min`` tokens: a one-token match guesses wrong about half the time on the
 grounded workload, a two-token one about a fifth; and of its occurrences the one that agrees
-with the sequence for longest: docs/benchmarks.md).
+with the sequence for longest: measured with ``bench offline --speculative ngram --workload
+grounded``).
 
-What guesses is a sequence's :class:`Proposer`: :class:`PromptLookup` here, or a draft model
+What guesses is a sequence's :class:`~trio_infer.engine.proposer.Proposer`: :class:`PromptLookup` here, or a draft model
 (engine/draft.py: a smaller model with the same vocabulary, in a KV cache of its own, greedy,
 so its draft is a point mass too and everything below holds for it unchanged). Both share the
 off-switches and the adaptive draft length of the base class.
@@ -88,8 +89,8 @@ class PromptLookup(Proposer):
     pair such as ``", the"`` occurs all over the prompt. A match that agrees for at least
     ``LONG_MATCH`` tokens is a copy in progress and drafts all ``k`` tokens; a shorter one drafts
     the adapted length, at most ``k - 1`` (on the grounded workload a short match guesses wrong
-    about a third of the time, a long one rarely: docs/benchmarks.md). The acceptance off-switch
-    holds short matches off; a long one drafts through it.
+    about a third of the time, a long one rarely: ``bench offline --speculative ngram``). The
+    acceptance off-switch holds short matches off; a long one drafts through it.
     """
 
     def __init__(self, max_ngram: int, num_tokens: int, min_acceptance: float,
