@@ -159,7 +159,8 @@ async def greedy(settings: Settings, prompts: list[list[int]],
                              logprobs=0)]
     got: dict[int, list[tuple[int, float]]] = {}
     with trio.fail_after(300):
-        async with open_engine(settings, serve_in_process(engine)) as async_engine:
+        connect = serve_in_process(engine) if engine is not None else None
+        async with open_engine(settings, connect) as async_engine:
             async with async_engine.generate_batch(prompts, params) as stream:
                 async for outs in stream:
                     for o in outs:
