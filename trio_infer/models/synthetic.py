@@ -212,7 +212,7 @@ def build_random_checkpoint(
     """Write a seeded random ``architecture`` checkpoint (and tokenizer) to ``out_dir``.
 
     The weights come from ``AutoModelForCausalLM.from_config`` and are then re-drawn at unit scale
-    (see :func:`_init_weights`), so the model's greedy output is varied rather than degenerate.
+    (see :func:`init_weights`), so the model's greedy output is varied rather than degenerate.
     A small ``max_shard_size`` gives a sharded checkpoint (``model.safetensors.index.json``).
     ``config_overrides`` go to the config as they are (e.g. ``attention_bias=True`` for Llama).
     Returns ``out_dir`` as a Path.
@@ -252,7 +252,7 @@ def build_random_checkpoint(
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _init_weights(model, seed)
+    init_weights(model, seed)
     model = model.to(dtype)
     model.generation_config = GenerationConfig(
         eos_token_id=list(eos_token_ids), pad_token_id=ENDOFTEXT_ID
@@ -262,7 +262,7 @@ def build_random_checkpoint(
 
 
 @torch.no_grad()
-def _init_weights(model: PreTrainedModel, seed: int) -> None:
+def init_weights(model: PreTrainedModel, seed: int) -> None:
     """Re-draw every parameter so each layer matters and the logits have a useful spread.
 
     Linear weights get std ``1/sqrt(fan_in)`` (activations keep unit scale through every layer),
