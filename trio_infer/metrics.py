@@ -103,8 +103,9 @@ class Metrics:
             gateway("vllm:gpu_cache_usage_perc", "KV-cache usage, 1 = full (older gateway name)"),
         )
         self.cache_config_info = Gauge(
-            "vllm:cache_config_info", "The KV cache's page size (block_size) and page count "
-            "(num_gpu_blocks) as labels, for prefix-aware gateways", ["block_size", "num_gpu_blocks"],
+            "vllm:cache_config_info", "The KV cache's page size (block_size), page count "
+            "(num_gpu_blocks) and element type (cache_dtype) as labels, for prefix-aware gateways",
+            ["block_size", "num_gpu_blocks", "cache_dtype"],
             registry=r,
         )
         self.requests_running = mirrored("requests_running", "Sequences admitted", running.set)
@@ -135,6 +136,19 @@ class Metrics:
         )
         self.inter_token_latency = hist("inter_token_latency_seconds", "Between output tokens")
         self.e2e_request_latency = hist("e2e_request_latency_seconds", "Arrival to finish")
+        # The forward-progress watchdog (runtime/watchdog.py). worker_stalled is a gauge of
+        # workers stalled now (0 or 1 per worker, so the data-parallel sum counts them).
+        self.worker_stalls_total = Counter(
+            p + "worker_stalls", "Stalls: work pending and no worker step past the stall bound",
+            registry=r)
+        self.worker_watchdog_restarts_total = Counter(
+            p + "worker_watchdog_restarts", "Workers dropped and restarted by the watchdog",
+            registry=r)
+        self.worker_stalled = Gauge(p + "worker_stalled", "Workers stalled now", registry=r)
+        self._step_ages: list[Callable[[], float | None]] = []
+        self.worker_last_step_age = Gauge(
+            p + "worker_last_step_age_seconds", "Seconds since a worker's last step (the oldest)",
+            registry=r)
         self.spec_proposed_total: Counter | None = None
         self.spec_accepted_total: Counter | None = None
         self.tokens_per_step: Gauge | None = None
@@ -154,17 +168,24 @@ class Metrics:
         for reason in ("queue_full", "queue_tokens", "queue_time"):
             self.requests_refused_total.labels(reason=reason)
 
-    def set_cache_config(self, page_size: int, num_pages: int) -> None:
+    def set_cache_config(self, page_size: int, num_pages: int, cache_dtype: str) -> None:
         """The KV cache's shape, once the engine is loaded (``vllm:cache_config_info``)."""
         self.cache_config_info.clear()
-        self.cache_config_info.labels(block_size=str(page_size), num_gpu_blocks=str(num_pages)).set(1)
+        self.cache_config_info.labels(block_size=str(page_size), num_gpu_blocks=str(num_pages),
+                                      cache_dtype=cache_dtype).set(1)
+
+    def watch_step_age(self, age: Callable[[], float | None]) -> None:
+        """Report ``age()`` (a worker's seconds since its last step, None before its first) in
+        ``worker_last_step_age_seconds``; with several workers, the oldest."""
+        self._step_ages.append(age)
 
     def shares(self, n: int) -> list[Metrics]:
         """``n`` views of these metrics for ``n`` data-parallel engines: the same counters and
         histograms, and every gauge replaced by that engine's share of a sum."""
         parts = {name: [0.0] * n for name, value in vars(self).items()
                  if isinstance(value, Gauge)
-                 and value is not self.cache_config_info and value is not self.tokens_per_step}
+                 and value is not self.cache_config_info and value is not self.tokens_per_step
+                 and value is not self.worker_last_step_age}
         views = []
         for i in range(n):
             view = copy.copy(self)
@@ -174,6 +195,8 @@ class Metrics:
         return views
 
     def render(self) -> bytes:
+        ages = [a for age in self._step_ages if (a := age()) is not None]
+        self.worker_last_step_age.set(max(ages, default=0.0))  # as of this scrape
         return generate_latest(self.registry)
 
     def refusals(self) -> dict[str, int]:

@@ -169,6 +169,18 @@ class Settings(BaseSettings):
     )
     worker_restart_window_s: float = Field(60.0, gt=0)
     worker_restart_delay_s: float = Field(1.0, ge=0, description="Pause before a restart.")
+    watchdog_stall_s: float | None = Field(
+        10.0, gt=0, description="Forward-progress watchdog: with requests pending and no worker "
+        "step for max(this, watchdog_step_factor x the slowest recent step), /health answers 503 "
+        "(the worker is stalled) and new requests are refused or, with --data-parallel, sent to "
+        "the other workers. None: no watchdog.",
+    )
+    watchdog_step_factor: float = Field(
+        20.0, ge=1, description="The stall bound in slowest recent steps (see watchdog_stall_s).")
+    watchdog_restart_s: float | None = Field(
+        60.0, gt=0, description="A stalled worker with no step for max(this, 2 x the stall "
+        "bound) is killed and restarted: its requests end with an error. None: never.",
+    )
 
     # -- requests -----------------------------------------------------------------------------
     channel_capacity: int = Field(

@@ -82,6 +82,18 @@ async def test_every_registered_family_is_observed(tokenizer, monkeypatch, autoj
             r = await client.post("/v1/completions", json={"model": "fake", "prompt": "d" * 60})
             assert r.status_code == 429
         assert metrics.refusals() == {"queue_full": 1, "queue_tokens": 1, "queue_time": 1}
+        # The watchdog: a request scheduled (one step, so the queue-time limit is behind it), then
+        # no step past the stall bound, then past the restart bound (the in-process worker is
+        # dropped, not restarted).
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(client.post, "/v1/completions",
+                                       json={"model": "fake", "prompt": "e", "max_tokens": 50}))
+            await trio.testing.wait_all_tasks_blocked()
+            gate.allow(1)
+            await trio.sleep(11)
+            assert (await client.get("/health")).status_code == 503
+            assert b"trio_infer_worker_last_step_age_seconds" in await (await client.get("/metrics")).get_data()
+            await trio.sleep(60)
 
     unobserved = []
     for family in metrics.registry.collect():

@@ -247,7 +247,8 @@ async def test_shutdown_stops_the_worker_and_fails_sessions(autojump_clock) -> N
 async def test_health_of_event_loop_while_thread_steps(autojump_clock) -> None:
     """A model step in a worker thread does not block other trio tasks."""
     engine = make()
-    ae_settings = settings()
+    # Off: the autojumping clock runs ahead while the thread steps in real time.
+    ae_settings = settings(watchdog_stall_s=None)
     async with trio.open_nursery() as n:
         ae = AsyncEngine(ae_settings, lambda: open_worker_task(engine, in_thread=True), Metrics())
         await n.start(ae.run)
@@ -326,7 +327,8 @@ def test_inference_mode_is_entered_in_the_worker_thread(tiny_checkpoint) -> None
 
     async def main():
         async with trio.open_nursery() as n:
-            ae = AsyncEngine(settings(), lambda: open_worker_task(engine, in_thread=True), Metrics())
+            ae = AsyncEngine(settings(watchdog_stall_s=None),  # the clock jumps while it steps
+                             lambda: open_worker_task(engine, in_thread=True), Metrics())
             await n.start(ae.run)
             with torch.inference_mode(False), torch.enable_grad():
                 await collect(ae, [1, 2], [GREEDY])

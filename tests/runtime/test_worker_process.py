@@ -184,3 +184,83 @@ def test_a_model_that_cannot_load_fails_the_start_with_its_error(tmp_path: Path)
     )
     assert out.returncode != 0
     assert "missing" in out.stdout + out.stderr
+
+
+# -- the forward-progress watchdog: a worker stopped by SIGSTOP (alive, holding its socket) -------
+
+
+def start_streams(url: str, n: int, max_tokens: int) -> tuple[list, list[threading.Thread]]:
+    """``n`` streams of ``max_tokens``, returned once every one has its first event."""
+    body = {"model": "fake", "prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True}
+    started = threading.Barrier(n + 1)
+    results: list = [None] * n
+
+    def run(i: int) -> None:
+        try:
+            results[i] = stream_events(url, body, started)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertions of the caller
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=60)
+    return results, threads
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
+def test_sigstop_of_the_worker_is_a_stall_and_sigcont_ends_it(tmp_path: Path) -> None:
+    with serving_fake(tmp_path, "--fake-step-ms", "5", "--watchdog-stall-s", "1.5",
+                      "--watchdog-restart-s", "60") as (proc, url):
+        [worker] = children(proc.pid)
+        results, threads = start_streams(url, 8, 600)  # 3 s of steps
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            took = wait_for(lambda: health(url) == 503, 20, "/health to say 503")
+            assert took >= 1.0, f"stalled after {took:.2f} s, before the 1.5 s bound"
+            status = httpx.get(url + "/v1/status").json()
+            assert "no progress for" in status["problem"], status
+            assert status["watchdog"]["stalled"] is True
+            assert "no progress" in httpx.get(url + "/health").text
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        wait_for(lambda: health(url) == 200, 20, "/health to say 200 again")
+        for t in threads:
+            t.join(timeout=60)
+        for events in results:
+            assert isinstance(events, list), events
+            assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert children(proc.pid) == {worker}  # the same worker went on
+        assert metric(url, "trio_infer_worker_stalls_total") == 1
+        assert metric(url, "trio_infer_worker_watchdog_restarts_total") == 0
+
+
+def test_sigstop_past_the_restart_bound_replaces_the_worker(tmp_path: Path) -> None:
+    with serving_fake(tmp_path, "--fake-step-ms", "5", "--watchdog-stall-s", "1",
+                      "--watchdog-restart-s", "3", "--worker-restart-delay-s", "0.1") as (proc, url):
+        [worker] = children(proc.pid)
+        results, threads = start_streams(url, 8, 100_000 // 50)
+        os.kill(worker, signal.SIGSTOP)
+        for t in threads:
+            t.join(timeout=60)
+        for events in results:  # each ends once, with an error event
+            assert isinstance(events, list), events
+            assert events[-1] == "[DONE]"
+            assert events[-2]["error"]["code"] == "service_unavailable", events[-2]
+            assert "no progress for" in events[-2]["error"]["message"]
+            assert sum("error" in e for e in events[:-1]) == 1
+        wait_for(lambda: health(url) == 200, 60, "the replacement worker")
+        assert worker not in children(proc.pid) and not alive(worker)  # killed and reaped
+        assert metric(url, "trio_infer_worker_watchdog_restarts_total") == 1
+        for gauge in ("sessions_active", "requests_running", "worker_stalled"):
+            assert metric(url, "trio_infer_" + gauge) == 0
+        r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "hi",
+                                                       "max_tokens": 5}, timeout=60)
+        assert r.status_code == 200

@@ -35,7 +35,7 @@ def health_problem(state: ServerState) -> str | None:
         return "the batching worker is not running (it is restarting, or has stopped)"
     if engine.draining:
         return "the server is shutting down"
-    return None
+    return engine.stall_problem()
 
 
 def health_body(state: ServerState) -> tuple[int, dict[str, Any], dict[str, str] | None]:

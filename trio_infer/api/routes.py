@@ -139,6 +139,8 @@ def status_body(state: ServerState) -> dict[str, Any]:
         },
         "tasks": live_tasks(),
         "compute": compute_body(state),
+        # The forward-progress watchdog (one entry per worker with --data-parallel).
+        "watchdog": state.engine.watchdog_status() if state.engine is not None else None,
     }
 
 

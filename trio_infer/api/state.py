@@ -47,7 +47,8 @@ class ServerState:
             max_n=self.settings.max_n,
             max_batch_sequences=self.settings.max_waiting,
         )
-        self.metrics.set_cache_config(self.settings.engine_config().page_size, info.num_pages)
+        self.metrics.set_cache_config(self.settings.engine_config().page_size, info.num_pages,
+                                      info.kv_cache_dtype)
         self.loading = None
         self.engine = engine  # last: its presence is what "loaded" means
         log.info("serving %s (context %d tokens)", self.limits.name, self.limits.max_model_len)

@@ -57,6 +57,7 @@ from trio_infer.runtime.errors import (
 )
 from trio_infer.runtime.router import Router, RouterStatistics
 from trio_infer.runtime.session import GenerationStream
+from trio_infer.runtime.watchdog import ProgressWatch
 from trio_infer.runtime.transport import (
     WorkerProcess,
     open_worker_process,
@@ -99,6 +100,13 @@ class AsyncEngine:
         self._last_step: float | None = None
         self._prefix_seen = (0, 0)
         self._spec_seen = (0, 0)  # spec_proposed, spec_accepted already counted
+        self.watch = ProgressWatch(settings.watchdog_stall_s, settings.watchdog_step_factor,
+                                   settings.watchdog_restart_s)
+        # The receive loop's wait, whose deadline moves earlier when a request brings one.
+        self._wait: trio.CancelScope | None = None
+        self.watchdog_restarts = 0
+        self.metrics.watch_step_age(self._step_age)
+        self._down_reason = "the batching worker stopped; retry shortly"
 
     @property
     def max_model_len(self) -> int:
@@ -128,6 +136,8 @@ class AsyncEngine:
             raise EngineUnavailable("the server is shutting down")
         if not self.healthy:
             raise EngineUnavailable("the engine is not running (starting or restarting); retry shortly")
+        if (problem := self.stall_problem()) is not None:
+            raise EngineUnavailable(problem)
         if n < 1:
             raise ValueError("at least one choice is needed")
         router, settings = self._router, self.settings
@@ -138,6 +148,34 @@ class AsyncEngine:
         if cap is not None and router.waiting_tokens and router.waiting_tokens + tokens > cap:
             self._refuse("queue_tokens", f"the waiting queue holds {router.waiting_tokens} prompt "
                          f"tokens (max_waiting_tokens {cap}); retry later", n)
+
+    @property
+    def stalled(self) -> bool:
+        """The worker has pending work and no step for longer than the stall bound
+        (``runtime/watchdog.py``): ``/health`` says so and no new request is sent to it."""
+        return self.watch.stalled
+
+    def stall_problem(self) -> str | None:
+        """Why the worker counts as stuck (``/health``'s and ``/v1/status``'s reason), or None."""
+        return self.watch.problem(trio.current_time())
+
+    def _step_age(self) -> float | None:
+        try:
+            now = trio.current_time()
+        except RuntimeError:  # read outside trio (a metrics render with no run): no age
+            return None
+        return self.watch.last_step_age(now)
+
+    def watchdog_status(self) -> dict[str, float | int | bool | None]:
+        """The watchdog's state for ``/v1/status``."""
+        now, watch = trio.current_time(), self.watch
+        age = watch.last_step_age(now)
+        return {"stalled": watch.stalled,
+                "last_step_age_s": None if age is None else round(age, 3),
+                "waiting_for_step_s": round(watch.waited(now), 3),
+                "stall_bound_s": None if watch.stall_s is None else round(watch.stall_bound, 3),
+                "restart_bound_s": None if watch.restart_s is None else round(watch.restart_bound, 3),
+                "stalls": watch.stalls, "restarts": self.watchdog_restarts}
 
     def _refuse(self, reason: str, message: str, n: int) -> None:
         self.metrics.requests_refused_total.labels(reason=reason).inc()
@@ -218,7 +256,10 @@ class AsyncEngine:
         """The worker is gone: every live request ends with an error, and its uids with it."""
         self.healthy = False
         self.connection = None
-        self._router.reset(EngineUnavailable("the batching worker stopped; retry shortly"))
+        self._router.reset(EngineUnavailable(self._down_reason))
+        self._down_reason = "the batching worker stopped; retry shortly"
+        self.watch.reset()
+        self.metrics.worker_stalled.set(0)
         self._last_step = None
         self._prefix_seen = (0, 0)
         self._spec_seen = (0, 0)
@@ -232,6 +273,9 @@ class AsyncEngine:
             await router.has_data.wait()
             data = router.data_to_send()
             if data:
+                # Whatever the worker is sent (a request, credits, an abort) may change whether
+                # it owes a step, and may bring a deadline earlier than the receive loop's wait.
+                self._note_pending()
                 try:
                     await connection.send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -239,7 +283,7 @@ class AsyncEngine:
 
     async def _receive_loop(self, stream: MessageStream) -> None:
         while True:
-            with trio.move_on_at(self._next_deadline()):
+            with trio.move_on_at(self._next_deadline()) as self._wait:
                 messages = await stream.receive()
                 if not messages:
                     return  # EOF: the worker is gone
@@ -252,7 +296,16 @@ class AsyncEngine:
                     else:
                         raise ProtocolError(f"{type(message).__name__} from a running worker")
                 continue
-            self._expire()
+            if not self._expire():
+                return  # the worker is stuck past the restart bound: drop it
+
+    def _note_pending(self) -> None:
+        """Tell the watchdog whether the worker owes a step (a session not paused for credits),
+        and bring the receive loop's wait to the earliest deadline."""
+        router = self._router
+        self.watch.pending(trio.current_time(), router.owes_step)
+        if self._wait is not None:
+            self._wait.deadline = min(self._wait.deadline, self._next_deadline())
 
     def _next_deadline(self) -> float:
         """The earliest of every session's deadlines: its stall (out of credits since), its
@@ -266,11 +319,12 @@ class AsyncEngine:
             deadline = min(deadline, queued.arrival + settings.max_queue_time_s)
         if (first := router.next_deadline()) is not None:
             deadline = min(deadline, first.deadline)  # type: ignore[type-var]
-        return deadline
+        return min(deadline, self.watch.next_deadline())
 
-    def _expire(self) -> None:
+    def _expire(self) -> bool:
         """End every session whose deadline has passed: stalls, then queue times, then request
-        deadlines (each with its own error; closing a session aborts it in the worker)."""
+        deadlines (each with its own error; closing a session aborts it in the worker). Then the
+        watchdog: False if the worker is to be dropped (no step past the restart bound)."""
         self._abort_stalled()
         router, now, limit = self._router, trio.current_time(), self.settings.max_queue_time_s
         if limit is not None:
@@ -283,11 +337,35 @@ class AsyncEngine:
         while (session := router.next_deadline()) is not None and session.deadline <= now:  # type: ignore[operator]
             self.metrics.request_timeouts_total.inc()
             session.close(RequestTimeout(session.timeout_s), reason="error")  # type: ignore[arg-type]
+        return self._watchdog()
 
+    def _watchdog(self) -> bool:
+        """Check forward progress (``runtime/watchdog.py``); False: drop the worker."""
+        self._note_pending()
+        now, watch, was_stalled = trio.current_time(), self.watch, self.watch.stalled
+        state = watch.check(now)
+        if state == "stalled" and not was_stalled:
+            self.metrics.worker_stalls_total.inc()
+            self.metrics.worker_stalled.set(1)
+            log.warning("watchdog: %s", watch.problem(now))
+        elif state == "dead":
+            self.watchdog_restarts += 1
+            self.metrics.worker_watchdog_restarts_total.inc()
+            self._down_reason = (f"the batching worker made no progress for "
+                                 f"{watch.waited(now):.0f} s and is restarted; retry shortly")
+            log.error("watchdog: no step for %.0f s with work pending: dropping the batching "
+                      "worker (it is killed and restarted)", watch.waited(now))
+            self._worker_down()  # every request ends now, not once the process is reaped
+            return False
+        return True
     def _step(self, step: Step) -> None:
+        now = trio.current_time()
+        if self.watch.stalled:
+            log.warning("watchdog: the batching worker stepped again")
+            self.metrics.worker_stalled.set(0)
+        self.watch.stepped(now)
         outputs = step.outputs
         if outputs:
-            now = trio.current_time()
             m = self.metrics
             m.generation_tokens_total.inc(sum(len(out.token_ids) for out in outputs))
             if self._last_step is not None:
@@ -295,6 +373,7 @@ class AsyncEngine:
             self._last_step = now
         self._router.deliver(outputs, step.failed, RequestFailed, step.admitted)
         self._update_gauges(step.stats)
+        self._note_pending()
 
     def _abort_stalled(self) -> None:
         now, timeout = trio.current_time(), self.settings.stall_timeout_s

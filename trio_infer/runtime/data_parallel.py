@@ -11,7 +11,8 @@ every exit path.
 
 **Routing.** :mod:`trio_infer.runtime.affinity` picks the worker: by default the one that was
 sent the prompt's longest known prefix of full pages (prefix affinity), else the least loaded;
-``--dp-routing round_robin`` is the benchmark's baseline. Only healthy workers are candidates.
+``--dp-routing round_robin`` is the benchmark's baseline. Only healthy workers are candidates, and
+not one the watchdog finds stalled (``runtime/watchdog.py``).
 
 **Failure.** A worker's death is its :class:`AsyncEngine`'s business, as with one worker: its
 own live requests end with :class:`~trio_infer.runtime.errors.EngineUnavailable`, it restarts
@@ -77,6 +78,18 @@ class DataParallelEngine:
         """At least one worker serves."""
         return any(w.healthy for w in self.workers)
 
+    def stall_problem(self) -> str | None:
+        """Why the group counts as stuck: every serving worker is stalled (one stalled worker
+        only loses new requests to the others)."""
+        serving = [w for w in self.workers if w.healthy]
+        problems = [w.stall_problem() for w in serving]
+        if serving and all(problems):
+            return f"every batching worker is stalled: {problems[0]}"
+        return None
+
+    def watchdog_status(self) -> list[dict]:
+        return [w.watchdog_status() for w in self.workers]
+
     @property
     def info(self) -> Hello | None:
         """A serving worker's hello (they serve the same model), with the group's KV pages."""
@@ -119,8 +132,10 @@ class DataParallelEngine:
         checks again when it enters: each worker's queue is bounded, not only the group's."""
         if self.draining:
             raise EngineUnavailable("the server is shutting down")
-        serving = [w for w in self.workers if w.healthy and not w.draining]
+        serving = [w for w in self.workers if w.healthy and not w.draining and not w.stalled]
         if not serving:
+            if problem := self.stall_problem():
+                raise EngineUnavailable(problem)
             raise EngineUnavailable("no batching worker is running (starting or restarting); "
                                     "retry shortly")
         min(serving, key=lambda w: w.statistics().waiting).check_admission(n, tokens)
@@ -153,8 +168,8 @@ class DataParallelEngine:
                     self._policy.forget(i)
                 self._seen[i] = w.info
                 self._policy.resize(sum(h.num_pages for h in self._seen if h is not None))
-        loads = [w.statistics().live_uids if w.healthy and not w.draining else None
-                 for w in workers]
+        loads = [w.statistics().live_uids if w.healthy and not w.draining and not w.stalled
+                 else None for w in workers]
         return self._policy.pick(prompt, loads)
 
     # -- shutdown -------------------------------------------------------------------------------

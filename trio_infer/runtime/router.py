@@ -132,6 +132,13 @@ class Router:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
+    @property
+    def owes_step(self) -> bool:
+        """Whether the worker owes this front end a step: a session with a sequence still live
+        that is not out of credits. A paused session, or one whose sequences are done and whose
+        client has not read them yet, leaves the worker nothing to do."""
+        return any(s.num_live and s not in self._paused for s in self._sessions.values())
+
     def live_uids(self) -> list[Uid]:
         return sorted(uid for s in self._sessions.values() for uid in s.live_uids)
 
