@@ -8,6 +8,8 @@ the front end; the process variant (``test_process_lifecycle.py``) uses them too
 
 from __future__ import annotations
 
+import math
+
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Hashable
@@ -35,6 +37,7 @@ def check_all(report: Report) -> None:
     for index, rec in enumerate(report.records):
         check_client(report, index, rec)
     check_overload(report)
+    check_watchdog(report)
 
 
 # -- invariant 1: nothing left -------------------------------------------------------------------
@@ -414,6 +417,10 @@ def _check_refusal(report: Report, who: str, rec: Record) -> None:
             assert rec.live_at_entry > 0 and len(req.prompt) * len(req.choices) > 0, (
                 f"{who}: refused for queued tokens with nothing queued")
         assert rec.error.retry_after_s >= 1, f"{who}: Retry-After {rec.error.retry_after_s}"  # type: ignore[union-attr]
+    elif rec.outcome == "EngineUnavailable" and "no progress" in str(rec.error):
+        assert _while_stalled(report, rec.entry.time), (
+            f"{who}: refused as stalled at t={rec.entry.time:g} (the hold: "
+            f"{report.engine.held_during or report.scenario.hold})")
     elif rec.outcome == "EngineUnavailable":
         sd = report.shutdown.started
         assert sd is not None and rec.entry.seq > sd.seq, (
@@ -422,6 +429,37 @@ def _check_refusal(report: Report, who: str, rec: Record) -> None:
     else:
         raise AssertionError(f"{who}: not admitted, yet the outcome is {rec.outcome}: {rec.error!r}")
     assert not rec.reads
+
+
+# -- the forward-progress watchdog -----------------------------------------------------------------
+
+STALL_BOUND_S = 10.0  # the default watchdog_stall_s; the fake model's steps take no time
+
+
+def _while_stalled(report: Report, t: float) -> bool:
+    """Whether ``t`` falls where the worker was held past the stall bound (a hold that a shutdown
+    cut short has no end: it lasts to the end of the run)."""
+    hold = report.scenario.hold
+    if hold is None:
+        return False
+    start, until = report.engine.held_during or (hold.at, math.inf)
+    return start + STALL_BOUND_S <= t <= until
+
+
+def check_watchdog(report: Report) -> None:
+    """A worker that steps whenever it has work is never stalled, whatever its clients do (slow,
+    stalled, gone); a held one is stalled once, if held past the bound, and never given up (the
+    holds stay below the restart bound); after the hold it is healthy again."""
+    ae, hold = report.front, report.scenario.hold
+    assert ae.watchdog_restarts == 0, "the watchdog gave up a worker that was only held"
+    if hold is None or hold.for_s < STALL_BOUND_S:
+        assert ae.watch.stalls == 0, (
+            f"a worker that was never held {STALL_BOUND_S:g} s was declared stalled "
+            f"({ae.watchdog_status()})")
+    else:
+        assert ae.watch.stalls <= 1, f"one hold counted {ae.watch.stalls} stalls"
+    if report.shutdown.started is None:
+        assert not ae.stalled, "still stalled after the hold ended"
 
 
 # -- overload: deadlines, the queue-time limit, refusals -------------------------------------------

@@ -298,6 +298,9 @@ class ProbeEngine(Engine):
         self.ae: AsyncEngine | None = None  # the front end, once it is up
         self.core: WorkerCore | None = None  # the worker's end of the protocol
         self.tap: SessionTap | None = None
+        self.held = False  # the scenario's Hold: the worker schedules nothing meanwhile
+        self.held_during: tuple[float, float] | None = None  # (from, until), virtual seconds
+        self.nudge: Callable[[], None] = lambda: None  # wakes an idle worker (in_process)
         self.failure: ProbeFailure | None = None
         self.run_scope: trio.CancelScope | None = None  # cancelled on the first failure
         self.stats = Stats()
@@ -339,6 +342,8 @@ class ProbeEngine(Engine):
 
     def schedule(self) -> StepPlan | None:
         self.calls += 1
+        if self.held:
+            return None
         waiting_before = list(self.scheduler.waiting)
         running_before = set(self.scheduler.running)
         plan = super().schedule()
@@ -726,6 +731,7 @@ async def _main(sc: Scenario, guard: SpinGuard) -> Report:
             async with open_engine(settings, in_process(engine), metrics=Metrics()) as ae:
                 engine.ae = ae
                 engine.core = ae.connection.core  # type: ignore[union-attr]
+                engine.nudge = ae.connection.nudge  # type: ignore[union-attr]
                 engine.tap = SessionTap(ae, probe)
                 task_status.started(ae)
                 await trio.sleep_forever()
@@ -746,6 +752,18 @@ async def _main(sc: Scenario, guard: SpinGuard) -> Report:
             sd_rec.settled = await settle(engine)
         engine_scope.cancel()
 
+    async def hold(ae: AsyncEngine) -> None:
+        h = sc.hold
+        assert h is not None
+        await trio.sleep(h.at)
+        engine.held, start = True, trio.current_time()
+        await trio.sleep(h.for_s)
+        engine.held, engine.held_during = False, (start, trio.current_time())
+        try:
+            engine.nudge()  # the worker may be idle, waiting for a frame
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass  # a shutdown stopped the worker meanwhile
+
     def waiting_clients() -> list[str]:
         return [f"#{i} (id {rec.request_id}, {rec.request.client!r}, read {len(rec.reads)})"
                 for i, rec in enumerate(records) if rec.outcome is None]
@@ -762,6 +780,8 @@ async def _main(sc: Scenario, guard: SpinGuard) -> Report:
                                        clients.start_soon, lambda uids: phase_of(engine, uids))
                 if sc.shutdown is not None:
                     clients.start_soon(shutdown, ae)
+                if sc.hold is not None:
+                    clients.start_soon(hold, ae)
             if sd_rec.started is None:
                 settled = await settle(engine)
             root.cancel_scope.cancel()  # the engine (front end and worker) and the watchdog

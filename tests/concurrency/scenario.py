@@ -2,7 +2,7 @@
 
 A scenario fixes everything that can vary: the engine's pool and batch sizes, the server settings,
 the requests (prompt, choices, stop tokens, arrival), how each client reads, the faults (engine
-steps that raise, a shutdown) and the seed of trio's scheduler. Running the same scenario twice
+steps that raise, a worker that stops stepping for a while, a shutdown) and the seed of trio's scheduler. Running the same scenario twice
 under a :class:`trio.testing.MockClock` gives the same run, which is what lets hypothesis shrink
 and replay a failure.
 
@@ -116,6 +116,18 @@ class Shutdown:
 
 
 @dataclass(frozen=True)
+class Hold:
+    """The worker stops stepping at ``at`` for ``for_s`` seconds, alive and with its pipe open
+    (as a SIGSTOP holds a process), then goes on. Past the watchdog's stall bound (10 s here:
+    the fake model's steps take no time) it is stalled: new requests are refused with
+    ``EngineUnavailable`` ("no progress"), live ones wait. Holds stay below the restart bound
+    (60 s), past which the worker counts as dead: the path a crash takes."""
+
+    at: float
+    for_s: float
+
+
+@dataclass(frozen=True)
 class EngineShape:
     page_size: int = 4
     num_pages: int = 16
@@ -145,6 +157,7 @@ class Scenario:
     max_waiting: int = 256
     fail_steps: frozenset[int] = frozenset()  # 1-based engine steps whose execute raises
     shutdown: Shutdown | None = None
+    hold: Hold | None = None
     sched_seed: int = 0  # seeds trio's run-queue shuffling: the interleaving is part of the example
     # Overload settings (None: off): the waiting queue's bound in prompt tokens, the queue-time
     # limit.

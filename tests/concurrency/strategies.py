@@ -23,6 +23,7 @@ from .scenario import (
     Choice,
     Client,
     EngineShape,
+    Hold,
     HttpRequest,
     HttpScenario,
     Request,
@@ -139,6 +140,13 @@ def shutdowns(draw: st.DrawFn) -> Shutdown:
     )
 
 
+@st.composite
+def holds(draw: st.DrawFn) -> Hold:
+    """A worker that stops stepping: shorter than the stall bound, past it, well past it (all
+    below the restart bound)."""
+    return Hold(at=pick(draw, (0.0, 0.0, 1.0, 2.0)), for_s=pick(draw, (3.0, 12.0, 40.0)))
+
+
 BASES = st.lists(st.integers(1, 32).flatmap(tokens).map(tuple), max_size=3)
 
 
@@ -157,6 +165,7 @@ def scenarios(draw: st.DrawFn, max_requests: int = 24, max_n: int = 3) -> Scenar
             draw, st.frozensets(st.integers(1, 150), min_size=1, max_size=3), frozenset(), one_in=5
         ),
         shutdown=sometimes(draw, shutdowns(), None, one_in=5),
+        hold=sometimes(draw, holds(), None, one_in=5),
         sched_seed=draw(st.integers(0, 2**16)),
         max_waiting_tokens=sometimes(draw, st.integers(1, 120), None, one_in=6),
         max_queue_time_s=sometimes(draw, st.integers(1, 20).map(float), None, one_in=4),

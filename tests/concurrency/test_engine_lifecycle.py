@@ -27,6 +27,9 @@ def report_events(report: Report) -> None:
         event("a step raised")
     if report.scenario.shutdown is not None:
         event(f"shutdown: {report.scenario.shutdown.kind}")
+    if report.scenario.hold is not None:
+        event(f"the worker held {report.scenario.hold.for_s:g} s"
+              + (", stalled" if report.front.watch.stalls else ""))
     if report.scenario.max_queue_time_s is not None:
         event("a queue-time limit")
     if len({r.priority for r in report.scenario.requests}) > 1:

@@ -274,6 +274,9 @@ class Successor:
                               num_kv_heads=1, head_dim=1, vocab_size=vocab, max_model_len=4096,
                               dtype="float64", eos_token_ids=(0,))
         self.rows_per_step: list[int] = []
+        # Stepped inline on the event loop: exact under the autojump clock, which would otherwise
+        # run ahead (to the watchdog's bounds) while a worker thread computed in real time.
+        self.instant = True
 
     def forward(self, batch: ForwardBatch, k_caches, v_caches) -> np.ndarray:
         flat = k_caches[0].reshape(-1)  # a view: the pool is contiguous
