@@ -37,6 +37,7 @@ from quart_trio import QuartTrio
 from trio_infer.api import direct, health
 from trio_infer.api.errors import register_error_handlers
 from trio_infer.api.last_send import shield_last_send
+from trio_infer.api.response_store import open_store
 from trio_infer.api.routes import register_routes
 from trio_infer.api.state import ServerState, server_state
 from trio_infer.metrics import Metrics
@@ -109,6 +110,7 @@ def create_app(
         BACKGROUND_TASK_SHUTDOWN_TIMEOUT=None,
     )
     state = ServerState(settings, Metrics(speculative=settings.speculative != "off"), wiring=wiring)
+    state.store = open_store(settings, state.metrics.store_changed)
     app.extensions["trio_infer"] = state
     register_error_handlers(app)
     register_routes(app)
@@ -128,6 +130,8 @@ def create_app(
         if state.engine is not None:
             state.engine.begin_drain()
             state.engine.abort_all(EngineUnavailable("the server is shutting down"))
+        if state.store is not None:
+            state.store.close()
 
     return app
 

@@ -149,6 +149,15 @@ class Metrics:
         self.worker_last_step_age = Gauge(
             p + "worker_last_step_age_seconds", "Seconds since a worker's last step (the oldest)",
             registry=r)
+        # The Responses API's store (api/response_store.py): its size and what it dropped.
+        self.responses_stored = Gauge(p + "responses_stored", "Responses in the store", registry=r)
+        self.responses_stored_bytes = Gauge(
+            p + "responses_stored_bytes", "Bytes of JSON in the response store", registry=r)
+        self.responses_evicted_total = Counter(
+            p + "responses_evicted", "Responses dropped by the store's bounds, by reason",
+            ["reason"], registry=r)
+        for reason in ("count", "bytes", "age", "too_large"):
+            self.responses_evicted_total.labels(reason=reason)
         self.spec_proposed_total: Counter | None = None
         self.spec_accepted_total: Counter | None = None
         self.tokens_per_step: Gauge | None = None
@@ -174,6 +183,14 @@ class Metrics:
         self.cache_config_info.labels(block_size=str(page_size), num_gpu_blocks=str(num_pages),
                                       cache_dtype=cache_dtype).set(1)
 
+    def store_changed(self, records: int, size: int, evicted: dict[str, int]) -> None:
+        """The response store's observer (api/response_store.py)."""
+        self.responses_stored.set(records)
+        self.responses_stored_bytes.set(size)
+        for reason, n in evicted.items():
+            if n:
+                self.responses_evicted_total.labels(reason=reason).inc(n)
+
     def watch_step_age(self, age: Callable[[], float | None]) -> None:
         """Report ``age()`` (a worker's seconds since its last step, None before its first) in
         ``worker_last_step_age_seconds``; with several workers, the oldest."""
@@ -185,7 +202,8 @@ class Metrics:
         parts = {name: [0.0] * n for name, value in vars(self).items()
                  if isinstance(value, Gauge)
                  and value is not self.cache_config_info and value is not self.tokens_per_step
-                 and value is not self.worker_last_step_age}
+                 and value is not self.worker_last_step_age
+                 and value is not self.responses_stored and value is not self.responses_stored_bytes}
         views = []
         for i in range(n):
             view = copy.copy(self)

@@ -218,6 +218,24 @@ class Settings(BaseSettings):
         "'thinking_token_budget' overrides it). Unset: no limit.",
     )
 
+    responses_store: str = Field(
+        "memory",
+        description="Where /v1/responses keeps the responses a client may retrieve, delete or "
+        "continue with previous_response_id: 'memory' (this process; gone at exit), a file path "
+        "(one SQLite file: survives a restart, shared by every front end of api_workers), or "
+        "'off' (nothing is kept: 'store': true is refused). With api_workers > 1 and 'memory', the "
+        "front ends share a SQLite file in a temporary folder, removed at exit.",
+    )
+    responses_store_max_count: int = Field(
+        10_000, ge=1, description="The most responses the store keeps (least recently used "
+        "evicted first).")
+    responses_store_max_mb: float = Field(
+        256.0, gt=0, description="The most JSON the store keeps, in MiB (least recently used "
+        "evicted first).")
+    responses_store_max_age_s: float = Field(
+        30 * 86400.0, gt=0, description="A stored response older than this is gone (OpenAI keeps "
+        "them 30 days).")
+
     # -- processes ----------------------------------------------------------------------------
     api_workers: int = Field(
         1, ge=1, description="Front-end processes sharing the listening socket, all served by one "

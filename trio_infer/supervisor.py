@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -62,6 +63,12 @@ async def supervise(settings: Settings, log_level: str) -> int:
             worker_scope = trio.CancelScope()
             nursery.start_soon(_run_worker, settings, log_level, address, n, worker_scope, give_up)
             env = {**os.environ, **_settings_env(settings), "TRIO_INFER_API_WORKERS": "1"}
+            if settings.responses_store == "memory":
+                # One store for every front end, or a response would be found only by the front
+                # end that answered it: a SQLite file that lives as long as this process.
+                env["TRIO_INFER_RESPONSES_STORE"] = os.path.join(folder, "responses.sqlite")
+                log.info("the %d front ends share their stored responses in a temporary SQLite "
+                         "file (--responses-store PATH keeps them across restarts)", n)
             for _ in range(n):
                 front_ends.append(await trio.lowlevel.open_process(
                     [sys.executable, "-m", "trio_infer", "serve", "--log-level", log_level,
@@ -75,11 +82,7 @@ async def supervise(settings: Settings, log_level: str) -> int:
         return 1 if failed else code
     finally:
         listener.close()
-        try:
-            os.unlink(address)
-        except FileNotFoundError:
-            pass
-        os.rmdir(folder)
+        shutil.rmtree(folder, ignore_errors=True)  # the worker's socket, the responses file
 
 
 async def _watch(front_ends: list[trio.Process]) -> int:

@@ -144,6 +144,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     num_prompt_tokens: int
     num_output_tokens: int
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (usage's cached tokens)
 
 
 class EngineStatistics(msgspec.Struct, array_like=True):

@@ -50,7 +50,8 @@ async def test_every_registered_family_is_observed(tokenizer, monkeypatch, autoj
 
         monkeypatch.setattr(prometheus_client.Gauge, method, spy)
 
-    app = make_app(tokenizer, max_waiting=2, max_waiting_tokens=40, max_queue_time_s=5)
+    app = make_app(tokenizer, max_waiting=2, max_waiting_tokens=40, max_queue_time_s=5,
+                   responses_store_max_count=1)
     metrics: Metrics = app.extensions["trio_infer"].metrics
     # Two prompts that share their first pages (prefix-cache hits), streamed and not, several
     # tokens each (inter-token latency), ending by length and by a stop string.
@@ -68,6 +69,11 @@ async def test_every_registered_family_is_observed(tokenizer, monkeypatch, autoj
         body = {"model": "fake", "prompt": ids, "max_tokens": 3, "temperature": 0}
         r = await client.post("/v1/completions", json=body)
         assert r.status_code == 200
+        # The response store: two stored responses, one evicted by the count bound.
+        for text in ("one", "two"):
+            r = await client.post("/v1/responses", json={"model": "fake", "input": text,
+                                                         "max_output_tokens": 1})
+            assert r.status_code == 200
         # Overload, with the engine held: a deadline, then each refusal (queue time; a full queue
         # in sequences, then in tokens).
         gate = StepGate(app)

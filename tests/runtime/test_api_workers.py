@@ -75,6 +75,13 @@ def test_two_front_ends_share_one_worker_and_survive_its_death(tmp_path: Path) -
         for _ in range(40):
             r = httpx.post(url + "/v1/completions", json=body, timeout=30)  # a new connection each
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
+        # Stored responses are shared: each is found whichever front end takes the retrieve.
+        ids = [httpx.post(url + "/v1/responses", json={"model": "fake", "input": "hi",
+                                                        "max_output_tokens": 2}, timeout=30).json()["id"]
+               for _ in range(8)]
+        for rid in ids * 2:
+            assert httpx.get(f"{url}/v1/responses/{rid}", timeout=30).json()["id"] == rid
+        assert output.count("share their stored responses in a temporary SQLite file") == 1
 
         os.kill(worker, signal.SIGKILL)
         wait_for(lambda: health(url) == 503, 5, "503 while the worker is gone")

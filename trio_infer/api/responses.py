@@ -5,8 +5,15 @@ answer as a serializer over the same typed events as chat's (api/events.py).
 ``function_call_output``; ``reasoning`` items are accepted and left out), ``instructions``,
 function ``tools`` and ``tool_choice``, ``text.format`` and the sampling fields into a chat request
 planned by ``plans.plan_chat`` (api/translate.py), so the template, tools, structured output and
-checks are chat's; errors name this API's fields. There is no store: ``store: true``,
-``previous_response_id`` and ``background: true`` are a 400 naming the field.
+checks are chat's; errors name this API's fields.
+
+The store (api/response_store.py) keeps each response whose request did not say ``store:
+false`` (OpenAI's default is to store), with its input items: :func:`conversation` rebuilds what
+``previous_response_id`` continues by walking the chain back (the input and output items of each
+turn, oldest first; ``instructions`` are not carried over, as OpenAI documents), and
+:func:`stored_record` is what the serializer hands the store once the response is done
+(completed, incomplete or failed; a stream its client left is not stored). ``background: true``
+is a 400 naming the field: a response runs only while its request does.
 
 :class:`ResponsesSerializer` renders the events as OpenAI does: ``response.created``,
 ``response.in_progress``, per output item ``response.output_item.added``, (messages and
@@ -21,14 +28,16 @@ from the same events, so both say the same.
 from __future__ import annotations
 
 import functools
+import time
 import uuid
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from trio_infer.api import sse
 from trio_infer.api.errors import APIError
 from trio_infer.api.events import Content, Event, Finish, Reasoning, ToolCallArguments, ToolCallStart
 from trio_infer.api.plans import ModelLimits, Plan
 from trio_infer.api.render import Serializer, TokenText
+from trio_infer.api.response_store import ResponseStore, StoredResponse
 from trio_infer.api.responses_protocol import (
     ITEMS,
     ContentPart,
@@ -48,13 +57,18 @@ if TYPE_CHECKING:
 # -- request -> plan ------------------------------------------------------------------------------
 
 
-def _check_stateless(req: ResponsesRequest) -> None:
+NO_STORE = ("this server was started with --responses-store off and keeps no responses. Send "
+            "the whole conversation in 'input'.")
+
+
+def _check_fields(req: ResponsesRequest, store: ResponseStore | None) -> None:
     refuse = [
-        ("store", req.store is True, "'store': true is not supported: this server keeps no "
-         "responses. Send 'store': false (or leave it out) and the whole conversation in 'input'."),
-        ("previous_response_id", req.previous_response_id is not None, "'previous_response_id' is "
-         "not supported: this server keeps no responses. Send the whole conversation in 'input'."),
-        ("background", req.background is True, "'background': true is not supported by this server."),
+        ("store", req.store is True and store is None, f"'store': true is not supported: {NO_STORE}"),
+        ("previous_response_id", req.previous_response_id is not None and store is None,
+         f"'previous_response_id' is not supported: {NO_STORE}"),
+        ("background", req.background is True, "'background': true is not supported by this "
+         "server: a response runs while its request does. Send 'stream': true to see it as it "
+         "is generated, and 'store' to retrieve it later."),
         ("include", bool(req.include), "'include' is not supported by this server."),
         ("truncation", req.truncation == "auto", "'truncation': 'auto' is not supported by this "
          "server; a conversation longer than the context is refused."),
@@ -93,19 +107,21 @@ def _text(parts: str | list[ContentPart], where: str) -> str:
     return "".join(out)
 
 
-def _messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
-    """The conversation as chat messages, and where each came from (``input.3``)."""
+def _messages(req: ResponsesRequest, history: Sequence[dict[str, Any]] = ()
+              ) -> tuple[list[dict[str, Any]], list[str]]:
+    """The conversation as chat messages (``history``: the items of the turns it continues,
+    :func:`conversation`), and where each came from (``input.3``)."""
     messages: list[dict[str, Any]] = []
     origins: list[str] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
         origins.append("instructions")
+    raws: list[tuple[str, dict[str, Any]]] = [("previous_response_id", item) for item in history]
     if isinstance(req.input, str):
-        messages.append({"role": "user", "content": req.input})
-        origins.append("input")
-        return messages, origins
-    for i, raw in enumerate(req.input):
-        where = f"input.{i}"
+        raws.append(("input", {"type": "message", "role": "user", "content": req.input}))
+    else:
+        raws.extend((f"input.{i}", raw) for i, raw in enumerate(req.input))
+    for where, raw in raws:
         item = _item(raw, where)
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": _text(item.content, where + ".content")})
@@ -196,10 +212,12 @@ SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequ
 
 
 def plan_responses(req: ResponsesRequest, tokenizer: Any, limits: ModelLimits, reasoning: str = "auto",
-                   thinking_token_budget: int | None = None) -> tuple[Plan, dict[str, Any]]:
-    """The request as a chat plan, and what the response object echoes of it."""
-    _check_stateless(req)
-    messages, origins = _messages(req)
+                   thinking_token_budget: int | None = None, store: ResponseStore | None = None,
+                   ) -> tuple[Plan, dict[str, Any]]:
+    """The request as a chat plan, and what the response object echoes of it. With ``store``,
+    ``previous_response_id`` is looked up there (a 404 if it is not)."""
+    _check_fields(req, store)
+    messages, origins = _messages(req, conversation(store, req.previous_response_id))
     if not messages:
         raise APIError(400, "The input holds no message.", param="input")
     body: dict[str, Any] = {
@@ -240,8 +258,99 @@ def plan_responses(req: ResponsesRequest, tokenizer: Any, limits: ModelLimits, r
         ],
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "user": req.user,
+        "store": store is not None and req.store is not False,
+        "previous_response_id": req.previous_response_id,
     }
     return plan, echo
+
+
+# -- the store's side -----------------------------------------------------------------------------
+
+_ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_",
+              "reasoning": "rs_"}
+
+
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's ``input`` as the items ``GET /v1/responses/{id}/input_items`` lists: each
+    with its ``type`` and an ``id`` (the client's, else a new one), a message's text as parts."""
+    raws = ([{"type": "message", "role": "user", "content": req.input}]
+            if isinstance(req.input, str) else req.input)
+    items = []
+    for raw in raws:
+        item = {"type": "message", **raw}
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        if not item.get("id"):
+            item["id"] = _ID_PREFIX.get(item["type"], "item_") + _hex()
+        items.append(item)
+    return items
+
+
+def conversation(store: ResponseStore | None, previous_id: str | None) -> list[dict[str, Any]]:
+    """The items of every turn ``previous_id`` continues, oldest first: each turn's input items,
+    then its output items. A 404 names the response that is not stored (never stored, deleted,
+    evicted or aged out)."""
+    if previous_id is None or store is None:
+        return []
+    chain: list[StoredResponse] = []
+    rid: str | None = previous_id
+    while rid is not None:
+        record = store.get(rid)
+        if record is None:
+            message = (f"Previous response with id '{previous_id}' not found." if rid == previous_id
+                       else f"Previous response with id '{previous_id}' continues '{rid}', which "
+                       "is no longer stored.")
+            raise APIError(404, message, param="previous_response_id", code="not_found")
+        chain.append(record)
+        rid = record.previous_response_id
+    items: list[dict[str, Any]] = []
+    for record in reversed(chain):
+        items.extend(record.input_items)
+        items.extend(record.response.get("output", ()))
+    return items
+
+
+def input_items_page(args: Any) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+    """The query of ``GET /v1/responses/{id}/input_items`` (``limit`` 1-100, default 20;
+    ``order`` 'desc', the default, or 'asc'; ``after``: an item id), checked, as the function
+    that pages a response's items (an OpenAI list: ``data``, ``first_id``, ``last_id``,
+    ``has_more``)."""
+    for name in args:
+        if name not in ("limit", "order", "after", "include"):
+            raise APIError(400, f"Unknown query parameter: {name!r}.", param=name)
+    if args.getlist("include"):
+        raise APIError(400, "'include' is not supported on input_items by this server.",
+                       param="include", code="unsupported_parameter")
+    raw_limit = args.get("limit", "20")
+    limit = int(raw_limit) if raw_limit.isdigit() else 0
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"'limit' must be an integer from 1 to 100 (got {raw_limit[:20]!r}).",
+                       param="limit")
+    order = args.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"'order' must be 'asc' or 'desc' (got {order[:20]!r}).", param="order")
+    after = args.get("after")
+
+    def page(items: list[dict[str, Any]]) -> dict[str, Any]:
+        ordered = items if order == "asc" else items[::-1]
+        if after is not None:
+            ids = [item.get("id") for item in ordered]
+            if after not in ids:
+                raise APIError(400, f"'after': no input item with id {after[:100]!r}.", param="after")
+            ordered = ordered[ids.index(after) + 1:]
+        data = ordered[:limit]
+        return {"object": "list", "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": len(ordered) > limit}
+
+    return page
+
+
+def stored_record(req: ResponsesRequest, response: dict[str, Any]) -> StoredResponse:
+    return StoredResponse(response["id"], response, input_items(req), req.previous_response_id,
+                          time.time())
 
 
 # -- events -> response ---------------------------------------------------------------------------
@@ -254,9 +363,11 @@ def _hex() -> str:
 class ResponsesSerializer(Serializer):
     """The Responses API's rendering of one choice's events (see the module's docstring)."""
 
-    def __init__(self, plan: Plan, texts: TokenText, echo: dict[str, Any]) -> None:
+    def __init__(self, plan: Plan, texts: TokenText, echo: dict[str, Any],
+                 keep: Callable[[dict[str, Any]], None] | None = None) -> None:
         super().__init__(plan, texts)
         self.echo = echo
+        self.keep = keep  # given the finished response object, to store it
         self.seq = 0
         self.items: list[dict[str, Any]] = []  # output items, finished and open
         self.open: dict[str, Any] | None = None  # the item being said
@@ -363,9 +474,7 @@ class ResponsesSerializer(Serializer):
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "model": plan.model,
             "output": [_public(item) for item in self.items],
-            "previous_response_id": None,
             "service_tier": "default",
-            "store": False,
             "top_logprobs": 0,
             "truncation": "disabled",
             "usage": usage,
@@ -375,7 +484,8 @@ class ResponsesSerializer(Serializer):
     def _usage(self, choices: Sequence[ChoiceText]) -> dict[str, Any]:
         prompt = len(self.plan.prompts[0])
         completion = sum(c.num_tokens for c in choices)
-        out: dict[str, Any] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+        cached = choices[0].num_cached_tokens if choices else 0  # served by the prefix cache
+        out: dict[str, Any] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
                                "output_tokens": completion}
         # A plain model thinks 0 tokens; a reasoning model's are counted, or left out when they
         # cannot be told (render.ReasoningCount).
@@ -408,20 +518,25 @@ class ResponsesSerializer(Serializer):
         self._close(out)
         status = self._status()
         kind = "response.completed" if status == "completed" else "response.incomplete"
-        self._event(out, kind, response=self._response(status, self._usage(choices)))
+        self._event(out, kind, response=self._done(self._response(status, self._usage(choices))))
         return "".join(out)
 
     def failed(self, err: APIError) -> str:
         out: list[str] = []
         error = {"code": err.code or "server_error", "message": err.message}
-        self._event(out, "response.failed", response=self._response("failed", None, error))
+        self._event(out, "response.failed", response=self._done(self._response("failed", None, error)))
         return "".join(out)
 
     def response(self, choices: Sequence[ChoiceText], events: Sequence[Sequence[Event]]) -> dict[str, Any]:
         for e in events[0]:
             self._apply(e, None)
         self._close(None)
-        return self._response(self._status(), self._usage(choices))
+        return self._done(self._response(self._status(), self._usage(choices)))
+
+    def _done(self, response: dict[str, Any]) -> dict[str, Any]:
+        if self.keep is not None:
+            self.keep(response)
+        return response
 
 
 def _public(item: dict[str, Any]) -> dict[str, Any]:
@@ -429,6 +544,6 @@ def _public(item: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in item.items() if not k.startswith("_")}
 
 
-def make_serializer(echo: dict[str, Any]):  # type: ignore[no-untyped-def]
+def make_serializer(echo: dict[str, Any], keep: Callable[[dict[str, Any]], None] | None = None):  # type: ignore[no-untyped-def]
     """What routes._serve takes: ``(plan, texts) -> ResponsesSerializer``."""
-    return functools.partial(ResponsesSerializer, echo=echo)
+    return functools.partial(ResponsesSerializer, echo=echo, keep=keep)

@@ -45,8 +45,9 @@ from trio_infer.api.plans import Plan, check_model, check_token_ids, render_chat
 from trio_infer.api.health import health_body, health_problem
 from trio_infer.api.anthropic_protocol import CountTokensRequest, MessagesRequest
 from trio_infer.api.messages import MessagesSerializer, count_message_tokens, plan_messages
+from trio_infer.api.response_store import StoredResponse
+from trio_infer.api.responses import input_items_page, plan_responses, stored_record
 from trio_infer.api.responses import make_serializer as responses_serializer
-from trio_infer.api.responses import plan_responses
 from trio_infer.api.responses_protocol import ResponsesRequest
 from trio_infer.api.render import serializer
 from trio_infer.api.respond import (
@@ -234,9 +235,36 @@ def register_routes(app: Quart) -> None:
     async def responses() -> Response:
         state = server_state(app).ready()
         req = await parse_body(ResponsesRequest)
+        store = state.store
         plan, echo = plan_responses(req, state.tokenizer, state.limits, state.settings.reasoning,
-                                    state.settings.thinking_token_budget)
-        return await _serve(state, plan, responses_serializer(echo))
+                                    state.settings.thinking_token_budget, store)
+        keep = None
+        if echo["store"]:
+            assert store is not None
+            keep = lambda response: store.put(stored_record(req, response))  # noqa: E731
+        return await _serve(state, plan, responses_serializer(echo, keep))
+
+    @app.get("/v1/responses/<response_id>")
+    async def retrieve_response(response_id: str) -> Response:
+        if request.args:
+            # ?stream=true&starting_after=N resumes a background response's events: there are none
+            raise APIError(400, f"Query parameter {next(iter(request.args))!r} is not supported by "
+                           "this server (responses are not run in the background).",
+                           param=next(iter(request.args)), code="unsupported_parameter")
+        return json_response(_stored(server_state(app), response_id).response)
+
+    @app.delete("/v1/responses/<response_id>")
+    async def delete_response(response_id: str) -> Response:
+        store = server_state(app).store
+        if store is None or not store.delete(response_id):
+            raise _no_response(response_id)
+        return json_response({"id": response_id, "object": "response", "deleted": True})
+
+    @app.get("/v1/responses/<response_id>/input_items")
+    async def response_input_items(response_id: str) -> Response:
+        page = input_items_page(request.args)
+        record = _stored(server_state(app), response_id)
+        return json_response(page(record.input_items))
 
     @app.post("/v1/messages")
     async def messages() -> Response:
@@ -277,6 +305,18 @@ def register_routes(app: Quart) -> None:
         check_model(req.model, state.limits)
         check_token_ids(req.tokens, state.limits.vocab_size, "tokens")
         return json_response({"prompt": state.tokenizer.decode(req.tokens)})
+
+
+def _no_response(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id[:100]}' not found.", param="response_id",
+                    code="not_found")
+
+
+def _stored(state: ServerState, response_id: str) -> StoredResponse:
+    record = state.store.get(response_id) if state.store is not None else None
+    if record is None:
+        raise _no_response(response_id)
+    return record
 
 
 async def _serve(state: ServerState, plan: Plan, make: MakeSerializer = serializer) -> Response:

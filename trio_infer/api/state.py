@@ -13,6 +13,7 @@ from quart import Quart
 from trio_infer.api.errors import LOADING_RETRY_AFTER_S, SERVER_ERROR, APIError
 from trio_infer.api.plans import ModelLimits
 from trio_infer.api.render import TokenText
+from trio_infer.api.response_store import ResponseStore
 from trio_infer.metrics import Metrics
 from trio_infer.runtime.client import AsyncEngine
 from trio_infer.runtime.data_parallel import DataParallelEngine
@@ -33,6 +34,7 @@ class ServerState:
     loading: Loading | None = None  # the load's latest progress (a worker's restart too)
     wiring: Wiring = field(default_factory=Wiring)  # a front end of serve --api-workers: its worker
     started_at: int = field(default_factory=lambda: int(time.time()))
+    store: ResponseStore | None = None  # the Responses API's (None: --responses-store off)
 
     def serve(self, engine: AsyncEngine | DataParallelEngine, tokenizer: Any) -> None:
         """The model is loaded: requests are served from now on."""

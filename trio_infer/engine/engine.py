@@ -304,6 +304,7 @@ class Engine:
                     finish_reason=reason,
                     stop_token_id=stop_token,
                     num_prompt_tokens=seq.num_prompt_tokens,
+                    num_cached_tokens=seq.num_cached_tokens or 0,
                     num_output_tokens=seq.num_output_tokens,
                     prompt_logprobs=prompt_lps,
                 )
@@ -348,6 +349,7 @@ class Engine:
             finish_reason=reason,
             stop_token_id=stop_token,
             num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
             num_output_tokens=seq.num_output_tokens,
             prompt_logprobs=None,
         )
@@ -370,6 +372,7 @@ class Engine:
             finish_reason="length",
             stop_token_id=None,
             num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
             num_output_tokens=0,
             prompt_logprobs=prompt_lps,
         )

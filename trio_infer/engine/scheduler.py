@@ -228,6 +228,8 @@ class Scheduler:
         nodes = self.prefix_cache.match(seq.token_ids, max_pages)
         self.prefix_queries += len(seq.token_ids)
         self.prefix_hits += len(nodes) * self.page_size
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = len(nodes) * self.page_size
         if nodes:
             seq.pages = [node.page for node in nodes]
             self.pool.retain(seq.pages)

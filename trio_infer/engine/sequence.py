@@ -48,6 +48,9 @@ class Sequence:
     num_computed: int = 0
     pages: list[int] = field(default_factory=list)
     cache_nodes: list[int] = field(default_factory=list)  # prefix-cache node per full page
+    # Prompt tokens the prefix cache served at its first admission (what usage reports as
+    # cached; a preempted sequence's later re-admission does not change it).
+    num_cached_tokens: int | None = None
     ready: bool = True  # False: the caller cannot take output now (backpressure); skip it
     finish_reason: str | None = None
     prompt_lps: list[TokenLogprob | None] | None = None  # None: not asked, or already delivered

@@ -56,6 +56,7 @@ class ChoiceText:
     sent_tokens: int = 0  # num_tokens when its text last went out (stream_interval)
     held: ChoiceDelta | None = None  # text waiting for stream_interval
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: entry 0 is None
+    num_cached_tokens: int = 0  # of the prompt's tokens, served by the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -79,6 +80,7 @@ class ChoiceText:
                 prompt_lps = self.prompt_logprobs = out.prompt_logprobs
             ids = out.token_ids
             lp = out.logprobs
+            self.num_cached_tokens = out.num_cached_tokens
             self.num_tokens += len(ids)
             self.token_ids.extend(ids)
             if out.stop_token_id is not None and ids and ids[-1] == out.stop_token_id:
