@@ -273,3 +273,26 @@ async def test_disconnect_mid_stream_frees_everything(tokenizer: Any, autojump_c
                 assert counts(app)["sessions"] == 1
             await trio.testing.wait_all_tasks_blocked()
             assert all_zero(app), counts(app)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_a_forced_call_holds_exactly_the_named_property(client: anthropic.Anthropic, server: Server,
+                                                        stream: bool, temperature: float) -> None:
+    """A one-property tool that says nothing of additionalProperties: the call holds exactly
+    "city", and the message ends as a tool use, not at max_tokens."""
+    tool = {"name": "get_weather", "description": "The weather in a city.",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                             "required": ["city"]}}
+    kw: dict[str, Any] = dict(model=server.model, max_tokens=200, tools=[tool],
+                              messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                              tool_choice={"type": "tool", "name": "get_weather"},
+                              extra_body={"temperature": temperature})
+    if stream:
+        with client.messages.stream(**kw) as s:
+            message = s.get_final_message()
+    else:
+        message = client.messages.create(**kw)
+    assert message.stop_reason == "tool_use"
+    [use] = [b for b in message.content if b.type == "tool_use"]
+    assert list(use.input) == ["city"]

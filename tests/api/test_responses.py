@@ -295,3 +295,25 @@ async def test_disconnect_mid_stream_frees_everything(tokenizer: Any, autojump_c
                 assert counts(app)["sessions"] == 1
             await trio.testing.wait_all_tasks_blocked()
             assert all_zero(app), counts(app)
+
+
+# A one-property tool that says nothing of additionalProperties: its calls hold exactly "city".
+CITY_ONLY = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+             "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                            "required": ["city"]}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_forced_call_holds_exactly_the_named_property(client: openai.OpenAI, server: Server,
+                                                        stream: bool, seed: int) -> None:
+    kw: dict[str, Any] = dict(model=server.model, input="Weather in Oslo?", tools=[CITY_ONLY],
+                              tool_choice={"type": "function", "name": "get_weather"},
+                              max_output_tokens=200, parallel_tool_calls=False, extra_body={"seed": seed})
+    if stream:
+        final = _final(_events(client.responses.create(stream=True, **kw)))
+    else:
+        final = client.responses.create(**kw)
+    assert final.status == "completed"
+    [call] = final.output
+    assert call.type == "function_call" and list(json.loads(call.arguments)) == ["city"]

@@ -271,3 +271,39 @@ def test_unconstrained_requests_get_their_tokens_alone_or_among_constrained_ones
         assert c["finish_reason"] == "stop"
         jsonschema.validate(json.loads(c["message"]["content"]), schema)
     server.wait_idle()
+
+
+def test_closed_schema_closes_every_object_that_names_properties() -> None:
+    from trio_infer.api.structured import closed_schema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+            "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {}}}},
+            "any": {"type": "object"},  # names no property: any object
+            "open": {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+            "typed": {"type": "object", "properties": {"a": {}},
+                      "additionalProperties": {"type": "object", "properties": {"b": {}}}},
+            "either": {"anyOf": [{"type": "object", "properties": {"x": {}}}, {"type": "null"}]},
+            "both": {"allOf": [{"properties": {"p": {}}}, {"properties": {"q": {}}}]},
+            "ref": {"$ref": "#/$defs/Point"},
+        },
+        "$defs": {"Point": {"type": "object", "properties": {"x": {}}}},
+    }
+    closed = closed_schema(schema)
+    p = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert p["where"]["additionalProperties"] is False
+    assert p["tags"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in p["any"]
+    assert p["open"]["additionalProperties"] is True
+    assert p["typed"]["additionalProperties"]["additionalProperties"] is False
+    assert p["either"]["anyOf"][0]["additionalProperties"] is False
+    assert all("additionalProperties" not in member for member in p["both"]["allOf"])
+    assert closed["$defs"]["Point"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is left as it was
+    jsonschema.validate({"city": "Oslo", "both": {"p": 1, "q": 2}}, closed)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"city": "Oslo", "type": "string"}, closed)

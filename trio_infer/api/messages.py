@@ -168,7 +168,9 @@ def _chat_body(req: CountTokensRequest, stream: bool = False) -> tuple[dict[str,
     _tool_choice(req, body)
     fmt = req.output_config.format if req.output_config is not None else None
     if fmt is not None:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
+        # Anthropic's structured outputs take closed objects only: strict, as OpenAI's.
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": fmt.schema_, "strict": True}}
     # Thinking on or off, where the chat path lets the template know (enable_thinking, as Qwen3's
     # templates name it); otherwise the model thinks as its template has it.
     if req.thinking is not None and "chat_template_kwargs" in ChatCompletionRequest.model_fields:

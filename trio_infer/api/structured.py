@@ -28,6 +28,43 @@ from trio_infer.api.protocol import ResponseFormat
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA = ("items", "not", "if", "then", "else", "contains", "additionalItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_schema(schema: Any, top: bool = True) -> Any:
+    """``schema`` with every object that lists ``properties`` and says nothing of
+    ``additionalProperties`` closed to them (``additionalProperties: false``), at every depth.
+
+    JSON Schema allows unnamed properties by default; a tool's arguments and a strict
+    ``response_format`` do not (OpenAI's strict mode, xgrammar's in vLLM and SGLang): a model
+    that may write keys the schema never named writes them, and a forced call then never ends
+    as a call. An object that lists no ``properties`` (``{"type": "object"}``: any object) stays
+    open, and so do the members of an ``allOf``, whose properties are named across several of
+    them (each is closed inside, not at its top)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if top and isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
+            and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_schema(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(sub) for sub in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_schema(sub, top=False) for sub in out["allOf"]]
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_schema(out[key])
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed_schema(out["additionalProperties"])
+    return out
+
+
 def json_schema_grammar(schema: Any, param: str) -> str:
     """The grammar source for documents valid against ``schema``; a 400 naming ``param`` if it
     is not a schema llguidance can compile."""
@@ -74,8 +111,10 @@ def response_format_grammar(fmt: ResponseFormat | None) -> str | None:
     if fmt.json_schema is None:
         raise APIError(400, "Missing required parameter: 'response_format.json_schema'.",
                        param="response_format.json_schema")
-    # OpenAI: no schema means any JSON value is accepted.
+    # OpenAI: no schema means any JSON value is accepted. Strict: only the properties named.
     schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
+    if fmt.json_schema.strict:
+        schema = closed_schema(schema)
     return json_schema_grammar(schema, "response_format.json_schema.schema")
 
 

@@ -30,7 +30,13 @@ from typing import Any, Sequence
 from trio_infer.api.errors import APIError
 from trio_infer.api.events import Event, ToolCallArguments, ToolCallStart
 from trio_infer.api.protocol import ChatCompletionRequest, ChatMessage, Tool
-from trio_infer.api.structured import JSON_OPTIONS, check_grammar, json_schema_grammar, lark_source
+from trio_infer.api.structured import (
+    JSON_OPTIONS,
+    check_grammar,
+    closed_schema,
+    json_schema_grammar,
+    lark_source,
+)
 
 HERMES = "hermes"
 JSON = "json"
@@ -141,9 +147,11 @@ def _parameters(tool: Tool) -> dict[str, Any]:
 
 
 def call_schema(tool: Tool) -> dict[str, Any]:
-    """The JSON schema of one call of ``tool``: its name, then its arguments. The parameters'
-    ``$defs`` move to the call's root, where their ``#/$defs/...`` references point."""
-    params = _parameters(tool)
+    """The JSON schema of one call of ``tool``: its name, then its arguments, closed to the
+    properties the parameters name (``structured.closed_schema``: unless they say
+    ``additionalProperties``). The parameters' ``$defs`` move to the call's root, where their
+    ``#/$defs/...`` references point."""
+    params = closed_schema(_parameters(tool))
     defs = {key: params.pop(key) for key in ("$defs", "definitions") if key in params}
     return {
         **defs,
