@@ -218,6 +218,13 @@ class Settings(BaseSettings):
         "'thinking_token_budget' overrides it). Unset: no limit.",
     )
 
+    hosted_tools: Literal["refuse", "ignore"] = Field(
+        "refuse",
+        description="OpenAI's hosted tools on /v1/responses (web_search, file_search, "
+        "computer_use, code_interpreter, image_generation, mcp), which run on OpenAI's side: "
+        "'refuse' answers 400 naming the tool; 'ignore' drops them from the request, and their "
+        "earlier calls from the input (logged).",
+    )
     responses_store: str = Field(
         "memory",
         description="Where /v1/responses keeps the responses a client may retrieve, delete or "

@@ -286,7 +286,8 @@ def test_a_forced_call_holds_exactly_the_named_property(client: anthropic.Anthro
                              "required": ["city"]}}
     kw: dict[str, Any] = dict(model=server.model, max_tokens=200, tools=[tool],
                               messages=[{"role": "user", "content": "Weather in Oslo?"}],
-                              tool_choice={"type": "tool", "name": "get_weather"},
+                              tool_choice={"type": "tool", "name": "get_weather",
+                                           "disable_parallel_tool_use": True},
                               extra_body={"temperature": temperature})
     if stream:
         with client.messages.stream(**kw) as s:

@@ -6,6 +6,7 @@ module; greedy or seeded requests so the streamed and the whole answer can be co
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Annotated, Any, Iterator
@@ -160,6 +161,7 @@ def test_function_tool_round_trip(client: openai.OpenAI, server: Server, stream:
 
 _BAD: list[tuple[dict[str, Any], str]] = [
     ({"background": True}, "background"),
+    ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]}, "include.1"),
     ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "output": "y"}]},
      "input.1.call_id"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
@@ -256,6 +258,11 @@ def test_reasoning_function_calls_and_text_stream_as_the_whole_response_says() -
     assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": "Let me think."}]
     assert whole["output"][2]["arguments"] == '{"a":1}' and whole["output"][2]["call_id"] == "call_1"
     assert whole["status"] == "completed" and whole["usage"]["output_tokens"] == 9
+    assert "encrypted_content" not in whole["output"][0]  # only when include asks for it
+    # include: ["reasoning.encrypted_content"]: the reasoning item carries its text, base64
+    asked = ResponsesSerializer(plan, None, {}, include=["reasoning.encrypted_content"])  # type: ignore[arg-type]
+    item = asked.response(choices, [events])["output"][0]  # type: ignore[arg-type]
+    assert base64.b64decode(item["encrypted_content"]).decode() == "Let me think."
 
 
 async def test_echoed_reasoning_items_and_store_false_are_accepted(tokenizer: Any) -> None:

@@ -148,3 +148,12 @@ async def test_store_off_refuses_store_true_and_previous_response_id(tokenizer: 
         said = await r.get_json()
         assert said["store"] is False
         assert (await c.get(f"/v1/responses/{said['id']}")).status_code == 404
+
+
+def test_input_tokens_counts_the_prompt_a_create_runs(client: openai.OpenAI, server: Server) -> None:
+    first = client.responses.create(model=server.model, input="Hello there", max_output_tokens=3)
+    kw: dict[str, Any] = dict(model=server.model, instructions="Be brief.", input="And now?",
+                              previous_response_id=first.id)
+    counted = client.responses.input_tokens.count(**kw)
+    assert counted.object == "response.input_tokens"
+    assert counted.input_tokens == client.responses.create(max_output_tokens=1, **kw).usage.input_tokens

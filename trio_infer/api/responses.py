@@ -27,7 +27,9 @@ from the same events, so both say the same.
 
 from __future__ import annotations
 
+import base64
 import functools
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -53,6 +55,8 @@ from trio_infer.api.translate import function_tool, message_origin, plan_as_chat
 if TYPE_CHECKING:
     from trio_infer.runtime.text_stream import ChoiceText
 
+log = logging.getLogger(__name__)
+
 
 # -- request -> plan ------------------------------------------------------------------------------
 
@@ -69,7 +73,6 @@ def _check_fields(req: ResponsesRequest, store: ResponseStore | None) -> None:
         ("background", req.background is True, "'background': true is not supported by this "
          "server: a response runs while its request does. Send 'stream': true to see it as it "
          "is generated, and 'store' to retrieve it later."),
-        ("include", bool(req.include), "'include' is not supported by this server."),
         ("truncation", req.truncation == "auto", "'truncation': 'auto' is not supported by this "
          "server; a conversation longer than the context is refused."),
         ("max_tool_calls", req.max_tool_calls is not None, "'max_tool_calls' is not supported by this server."),
@@ -81,6 +84,18 @@ def _check_fields(req: ResponsesRequest, store: ResponseStore | None) -> None:
     for param, bad, message in refuse:
         if bad:
             raise APIError(400, message, param=param, code="unsupported_parameter")
+    for i, value in enumerate(req.include or ()):
+        if value not in INCLUDE:
+            raise APIError(400, f"'include' value {value[:80]!r} is not supported by this server "
+                           f"(it takes {', '.join(map(repr, INCLUDE))}).", param=f"include.{i}",
+                           code="unsupported_parameter")
+
+
+# What ``include`` may ask for. Reasoning's "encrypted" content, which stateless clients (Codex
+# with ``store: false``) send back on the next turn: here it is the reasoning text itself,
+# base64-encoded and not encrypted (the server has no secret to keep from its own client), and
+# sent back it is left out of the prompt like every earlier turn's reasoning.
+INCLUDE = ("reasoning.encrypted_content",)
 
 
 def _item(raw: dict[str, Any], where: str) -> Any:
@@ -107,7 +122,7 @@ def _text(parts: str | list[ContentPart], where: str) -> str:
     return "".join(out)
 
 
-def _messages(req: ResponsesRequest, history: Sequence[dict[str, Any]] = ()
+def _messages(req: ResponsesRequest, history: Sequence[dict[str, Any]] = (), hosted: str = "refuse"
               ) -> tuple[list[dict[str, Any]], list[str]]:
     """The conversation as chat messages (``history``: the items of the turns it continues,
     :func:`conversation`), and where each came from (``input.3``)."""
@@ -122,6 +137,8 @@ def _messages(req: ResponsesRequest, history: Sequence[dict[str, Any]] = ()
     else:
         raws.extend((f"input.{i}", raw) for i, raw in enumerate(req.input))
     for where, raw in raws:
+        if hosted == "ignore" and raw.get("type") in HOSTED_CALLS:
+            continue  # an earlier call of a hosted tool the request may not name any more
         item = _item(raw, where)
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": _text(item.content, where + ".content")})
@@ -143,12 +160,34 @@ def _messages(req: ResponsesRequest, history: Sequence[dict[str, Any]] = ()
     return messages, origins
 
 
-def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
+# OpenAI's hosted tools: they run on OpenAI's side, so a call of one cannot be answered here.
+# ``hosted_tools='ignore'`` drops them from the request (and their earlier calls from the input).
+HOSTED_TOOLS = frozenset({"web_search", "web_search_preview", "file_search", "computer_use",
+                          "computer_use_preview", "code_interpreter", "image_generation", "mcp"})
+HOSTED_CALLS = frozenset({"web_search_call", "file_search_call", "computer_call",
+                          "computer_call_output", "code_interpreter_call", "image_generation_call",
+                          "mcp_call", "mcp_list_tools"})
+
+
+@functools.cache
+def _say_dropped(kind: str) -> None:
+    log.info("requests' hosted tools of type %r are dropped (hosted_tools='ignore')", kind)
+
+
+def _tools(req: ResponsesRequest, hosted: str) -> list[dict[str, Any]] | None:
     if req.tools is None:
         return None
     out = []
     for i, raw in enumerate(req.tools):
         kind = raw.get("type")
+        if kind in HOSTED_TOOLS and hosted == "ignore":
+            _say_dropped(kind)
+            continue
+        if kind in HOSTED_TOOLS:
+            raise APIError(400, f"Tools of type {kind!r} run on OpenAI's side and cannot run on "
+                           "this server; only 'function' tools are served (a server started with "
+                           "--hosted-tools ignore drops them).", param=f"tools.{i}.type",
+                           code="unsupported_parameter")
         if kind != "function":
             raise APIError(400, f"Tools of type {kind!r} are not supported by this server; only "
                            "'function' tools are.", param=f"tools.{i}.type", code="unsupported_parameter")
@@ -213,11 +252,12 @@ SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequ
 
 def plan_responses(req: ResponsesRequest, tokenizer: Any, limits: ModelLimits, reasoning: str = "auto",
                    thinking_token_budget: int | None = None, store: ResponseStore | None = None,
-                   ) -> tuple[Plan, dict[str, Any]]:
+                   hosted_tools: str = "refuse") -> tuple[Plan, dict[str, Any]]:
     """The request as a chat plan, and what the response object echoes of it. With ``store``,
-    ``previous_response_id`` is looked up there (a 404 if it is not)."""
+    ``previous_response_id`` is looked up there (a 404 if it is not). ``hosted_tools``:
+    'refuse' OpenAI's hosted tools (a 400 naming the tool) or 'ignore' them."""
     _check_fields(req, store)
-    messages, origins = _messages(req, conversation(store, req.previous_response_id))
+    messages, origins = _messages(req, conversation(store, req.previous_response_id), hosted_tools)
     if not messages:
         raise APIError(400, "The input holds no message.", param="input")
     body: dict[str, Any] = {
@@ -226,7 +266,7 @@ def plan_responses(req: ResponsesRequest, tokenizer: Any, limits: ModelLimits, r
         "stream": bool(req.stream),
         **sampling_fields(req, SAMPLING),
     }
-    tools = _tools(req)
+    tools = _tools(req, hosted_tools)
     if tools is not None:
         body["tools"] = tools
     choice = _tool_choice(req)
@@ -364,9 +404,11 @@ class ResponsesSerializer(Serializer):
     """The Responses API's rendering of one choice's events (see the module's docstring)."""
 
     def __init__(self, plan: Plan, texts: TokenText, echo: dict[str, Any],
-                 keep: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 keep: Callable[[dict[str, Any]], None] | None = None,
+                 include: Sequence[str] = ()) -> None:
         super().__init__(plan, texts)
         self.echo = echo
+        self.encrypted_reasoning = "reasoning.encrypted_content" in include
         self.keep = keep  # given the finished response object, to store it
         self.seq = 0
         self.items: list[dict[str, Any]] = []  # output items, finished and open
@@ -457,6 +499,8 @@ class ResponsesSerializer(Serializer):
             part = {"type": "reasoning_text", "text": text}
             item["content"] = [part]
             item["status"] = status
+            if self.encrypted_reasoning:
+                item["encrypted_content"] = base64.b64encode(text.encode()).decode()
             self._event(out, "response.reasoning_text.done", **where, content_index=0, text=text)
             self._event(out, "response.content_part.done", **where, content_index=0, part=part)
         self._event(out, "response.output_item.done", output_index=index, item=item)
@@ -544,6 +588,7 @@ def _public(item: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in item.items() if not k.startswith("_")}
 
 
-def make_serializer(echo: dict[str, Any], keep: Callable[[dict[str, Any]], None] | None = None):  # type: ignore[no-untyped-def]
+def make_serializer(echo: dict[str, Any], keep: Callable[[dict[str, Any]], None] | None = None,  # type: ignore[no-untyped-def]
+                    include: Sequence[str] = ()):
     """What routes._serve takes: ``(plan, texts) -> ResponsesSerializer``."""
-    return functools.partial(ResponsesSerializer, echo=echo, keep=keep)
+    return functools.partial(ResponsesSerializer, echo=echo, keep=keep, include=include)

@@ -1,4 +1,4 @@
-"""Request models of OpenAI's Responses API (``POST /v1/responses``), stateless.
+"""Request models of OpenAI's Responses API (``POST /v1/responses``).
 
 Strict like api/protocol.py: an unknown field is a 400 naming it. ``input`` items and ``tools``
 are polymorphic (their ``type`` says which, and a message item may omit it): they are checked one
@@ -29,6 +29,7 @@ class MessageItem(_Strict):
     id: str | None = None
     status: str | None = None
     phase: str | None = None
+    end_turn: bool | None = None  # what Codex echoes of an assistant message; changes nothing
 
 
 class FunctionCallItem(_Strict):
@@ -117,8 +118,7 @@ class ResponsesRequest(_Strict):
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    # Stateless: the state fields are checked in api/responses.py (a 400 unless they ask for
-    # nothing).
+    # The store's fields and what is refused of the rest: checked in api/responses.py.
     store: bool | None = None
     previous_response_id: str | None = None
     background: bool | None = None

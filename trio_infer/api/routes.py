@@ -237,12 +237,23 @@ def register_routes(app: Quart) -> None:
         req = await parse_body(ResponsesRequest)
         store = state.store
         plan, echo = plan_responses(req, state.tokenizer, state.limits, state.settings.reasoning,
-                                    state.settings.thinking_token_budget, store)
+                                    state.settings.thinking_token_budget, store,
+                                    state.settings.hosted_tools)
         keep = None
         if echo["store"]:
             assert store is not None
             keep = lambda response: store.put(stored_record(req, response))  # noqa: E731
-        return await _serve(state, plan, responses_serializer(echo, keep))
+        return await _serve(state, plan, responses_serializer(echo, keep, req.include or ()))
+
+    @app.post("/v1/responses/input_tokens")
+    async def response_input_tokens() -> Response:
+        # The prompt a create with this body would run: the same plan, nothing generated.
+        state = server_state(app).ready()
+        req = await parse_body(ResponsesRequest)
+        plan, _ = plan_responses(req, state.tokenizer, state.limits, state.settings.reasoning,
+                                 state.settings.thinking_token_budget, state.store,
+                                 state.settings.hosted_tools)
+        return json_response({"object": "response.input_tokens", "input_tokens": len(plan.prompts[0])})
 
     @app.get("/v1/responses/<response_id>")
     async def retrieve_response(response_id: str) -> Response:
