@@ -160,7 +160,7 @@ def test_function_tool_round_trip(client: openai.OpenAI, server: Server, stream:
 
 
 _BAD: list[tuple[dict[str, Any], str]] = [
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
     ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]}, "include.1"),
     ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "output": "y"}]},
      "input.1.call_id"),

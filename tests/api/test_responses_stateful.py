@@ -5,6 +5,7 @@ restart of the app."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -157,3 +158,55 @@ def test_input_tokens_counts_the_prompt_a_create_runs(client: openai.OpenAI, ser
     counted = client.responses.input_tokens.count(**kw)
     assert counted.object == "response.input_tokens"
     assert counted.input_tokens == client.responses.create(max_output_tokens=1, **kw).usage.input_tokens
+
+
+def _wait_done(client: openai.OpenAI, response_id: str) -> Any:
+    """Poll a background response until it ends, as a client does (bounded)."""
+    for _ in range(600):
+        got = client.responses.retrieve(response_id)
+        if got.status not in ("queued", "in_progress"):
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"{response_id} still {got.status}")
+
+
+def test_a_background_response_is_polled_and_its_stream_resumed(client: openai.OpenAI, server: Server) -> None:
+    kw: dict[str, Any] = dict(model=server.model, input="Tell me a story.", max_output_tokens=12,
+                              temperature=0)
+    queued = client.responses.create(background=True, **kw)
+    assert queued.background is True and queued.status in ("queued", "in_progress")
+    assert queued.output == []
+    done = _wait_done(client, queued.id)
+    assert done.status == "incomplete" and done.usage.output_tokens == 12
+    assert done.output_text == client.responses.create(**kw).output_text  # as a plain request
+    # the whole stream again, then from a sequence number on
+    every = list(client.responses.retrieve(queued.id, stream=True))
+    assert [e.sequence_number for e in every] == list(range(len(every)))
+    assert every[-1].type == "response.incomplete"
+    rest = list(client.responses.retrieve(queued.id, stream=True, starting_after=4))
+    assert [e.sequence_number for e in rest] == list(range(5, len(every)))
+    assert rest[-1].response.output_text == done.output_text
+
+
+def test_a_background_response_is_cancelled_within_a_step(client: openai.OpenAI, server: Server) -> None:
+    queued = client.responses.create(model=server.model, input="A very long story.", background=True,
+                                     max_output_tokens=3000, temperature=0)
+    cancelled = client.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(queued.id).status == "cancelled"
+    server.wait_idle()  # the sequence was aborted: nothing runs
+    # a finished background response is returned as it is; a plain one cannot be cancelled
+    assert client.responses.cancel(queued.id).status == "cancelled"
+    plain = client.responses.create(model=server.model, input="hi", max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(plain.id)
+
+
+def test_background_needs_store_and_a_plain_response_has_no_event_stream(server: Server) -> None:
+    r = httpx.post(server.url + "/v1/responses", json={"model": server.model, "input": "hi",
+                                                       "background": True, "store": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+    plain = httpx.post(server.url + "/v1/responses", json={"model": server.model, "input": "hi",
+                                                           "max_output_tokens": 1}).json()
+    r = httpx.get(server.url + f"/v1/responses/{plain['id']}?stream=true")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"

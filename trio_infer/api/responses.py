@@ -12,8 +12,8 @@ false`` (OpenAI's default is to store), with its input items: :func:`conversatio
 ``previous_response_id`` continues by walking the chain back (the input and output items of each
 turn, oldest first; ``instructions`` are not carried over, as OpenAI documents), and
 :func:`stored_record` is what the serializer hands the store once the response is done
-(completed, incomplete or failed; a stream its client left is not stored). ``background: true``
-is a 400 naming the field: a response runs only while its request does.
+(completed, incomplete or failed; a stream its client left is not stored). A ``background``
+response runs in the server's nursery after its create returns (api/background.py).
 
 :class:`ResponsesSerializer` renders the events as OpenAI does: ``response.created``,
 ``response.in_progress``, per output item ``response.output_item.added``, (messages and
@@ -70,9 +70,10 @@ def _check_fields(req: ResponsesRequest, store: ResponseStore | None) -> None:
         ("store", req.store is True and store is None, f"'store': true is not supported: {NO_STORE}"),
         ("previous_response_id", req.previous_response_id is not None and store is None,
          f"'previous_response_id' is not supported: {NO_STORE}"),
-        ("background", req.background is True, "'background': true is not supported by this "
-         "server: a response runs while its request does. Send 'stream': true to see it as it "
-         "is generated, and 'store' to retrieve it later."),
+        ("background", req.background is True and (store is None or req.store is False),
+         "'background': true needs the response to be stored (it is retrieved from the store): "
+         + ("this server keeps no responses (--responses-store off)." if store is None
+            else "send 'store': true or leave it out.")),
         ("truncation", req.truncation == "auto", "'truncation': 'auto' is not supported by this "
          "server; a conversation longer than the context is refused."),
         ("max_tool_calls", req.max_tool_calls is not None, "'max_tool_calls' is not supported by this server."),
@@ -299,6 +300,7 @@ def plan_responses(req: ResponsesRequest, tokenizer: Any, limits: ModelLimits, r
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "user": req.user,
         "store": store is not None and req.store is not False,
+        "background": req.background is True,
         "previous_response_id": req.previous_response_id,
     }
     return plan, echo
@@ -388,9 +390,12 @@ def input_items_page(args: Any) -> Callable[[list[dict[str, Any]]], dict[str, An
     return page
 
 
-def stored_record(req: ResponsesRequest, response: dict[str, Any]) -> StoredResponse:
-    return StoredResponse(response["id"], response, input_items(req), req.previous_response_id,
-                          time.time())
+def stored_record(req: ResponsesRequest, response: dict[str, Any],
+                  items: list[dict[str, Any]] | None = None) -> StoredResponse:
+    """What the store keeps of ``response`` (``items``: its input items, if already made: a
+    background response is stored several times with the same items)."""
+    return StoredResponse(response["id"], response, items if items is not None else input_items(req),
+                          req.previous_response_id, time.time())
 
 
 # -- events -> response ---------------------------------------------------------------------------
@@ -513,7 +518,6 @@ class ResponsesSerializer(Serializer):
             "object": "response",
             "created_at": plan.created,
             "status": status,
-            "background": False,
             "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "model": plan.model,
@@ -576,6 +580,17 @@ class ResponsesSerializer(Serializer):
             self._apply(e, None)
         self._close(None)
         return self._done(self._response(self._status(), self._usage(choices)))
+
+    def queued(self, status: str = "queued") -> dict[str, Any]:
+        """A background response before anything is said: "queued" (what its create answers),
+        then "in_progress" once it started."""
+        return self._response(status, None)
+
+    def snapshot(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The response as it stands, ended with ``status`` (a background response cancelled or
+        failed outside its stream), handed to the store like a finished one."""
+        self._close(None)
+        return self._done(self._response(status, None, error))
 
     def _done(self, response: dict[str, Any]) -> dict[str, Any]:
         if self.keep is not None:

@@ -46,7 +46,7 @@ from trio_infer.api.health import health_body, health_problem
 from trio_infer.api.anthropic_protocol import CountTokensRequest, MessagesRequest
 from trio_infer.api.messages import MessagesSerializer, count_message_tokens, plan_messages
 from trio_infer.api.response_store import StoredResponse
-from trio_infer.api.responses import input_items_page, plan_responses, stored_record
+from trio_infer.api.responses import input_items, input_items_page, plan_responses, stored_record
 from trio_infer.api.responses import make_serializer as responses_serializer
 from trio_infer.api.responses_protocol import ResponsesRequest
 from trio_infer.api.render import serializer
@@ -239,11 +239,14 @@ def register_routes(app: Quart) -> None:
         plan, echo = plan_responses(req, state.tokenizer, state.limits, state.settings.reasoning,
                                     state.settings.thinking_token_budget, store,
                                     state.settings.hosted_tools)
-        keep = None
+        keep, items = None, input_items(req)
         if echo["store"]:
             assert store is not None
-            keep = lambda response: store.put(stored_record(req, response))  # noqa: E731
-        return await _serve(state, plan, responses_serializer(echo, keep, req.include or ()))
+            keep = lambda response: store.put(stored_record(req, response, items))  # noqa: E731
+        make = responses_serializer(echo, keep, req.include or ())
+        if req.background:
+            return await _background(state, plan, make, req, items)
+        return await _serve(state, plan, make)
 
     @app.post("/v1/responses/input_tokens")
     async def response_input_tokens() -> Response:
@@ -257,16 +260,43 @@ def register_routes(app: Quart) -> None:
 
     @app.get("/v1/responses/<response_id>")
     async def retrieve_response(response_id: str) -> Response:
-        if request.args:
-            # ?stream=true&starting_after=N resumes a background response's events: there are none
-            raise APIError(400, f"Query parameter {next(iter(request.args))!r} is not supported by "
-                           "this server (responses are not run in the background).",
-                           param=next(iter(request.args)), code="unsupported_parameter")
-        return json_response(_stored(server_state(app), response_id).response)
+        state = server_state(app)
+        stream, after = _retrieve_query(request.args)
+        if not stream:
+            return json_response(_stored(state, response_id).response)
+        run = state.background.get(response_id)
+        if run is None:
+            _stored(state, response_id)  # a 404 if it is not stored at all
+            raise APIError(400, f"The events of response '{response_id[:100]}' are not kept: only "
+                           "a background response's are, while it runs and for a while after. "
+                           "Retrieve it without 'stream'.", param="stream")
+        response = await make_response(run.follow(after), 200, sse.HEADERS)
+        response.timeout = None  # trap 1
+        return response
+
+    @app.post("/v1/responses/<response_id>/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        state = server_state(app)
+        run = state.background.get(response_id)
+        if run is None:
+            record = _stored(state, response_id)
+            if not record.response.get("background"):
+                raise APIError(400, "Only background responses can be cancelled.",
+                               param="response_id")
+            return json_response(record.response)  # it ended long ago
+        run.scope.cancel()  # leaving its stream aborts its sequence before the next step
+        await run.done.wait()
+        return json_response(_stored(state, response_id).response)
 
     @app.delete("/v1/responses/<response_id>")
     async def delete_response(response_id: str) -> Response:
-        store = server_state(app).store
+        state = server_state(app)
+        run = state.background.get(response_id)
+        if run is not None:  # a running one stops first, then goes
+            run.scope.cancel()
+            await run.done.wait()
+            state.background.forget(response_id)
+        store = state.store
         if store is None or not store.delete(response_id):
             raise _no_response(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
@@ -316,6 +346,56 @@ def register_routes(app: Quart) -> None:
         check_model(req.model, state.limits)
         check_token_ids(req.tokens, state.limits.vocab_size, "tokens")
         return json_response({"prompt": state.tokenizer.decode(req.tokens)})
+
+
+def _retrieve_query(args: Any) -> tuple[bool, int]:
+    """``stream`` and ``starting_after`` of ``GET /v1/responses/{id}``, checked."""
+    for name in args:
+        if name not in ("stream", "starting_after", "include"):
+            raise APIError(400, f"Unknown query parameter: {name!r}.", param=name)
+    if args.getlist("include"):
+        raise APIError(400, "'include' is not supported on retrieve by this server.",
+                       param="include", code="unsupported_parameter")
+    raw = args.get("stream", "false")
+    if raw not in ("true", "false"):
+        raise APIError(400, f"'stream' must be true or false (got {raw[:20]!r}).", param="stream")
+    stream = raw == "true"
+    after = args.get("starting_after")
+    if after is not None and not stream:
+        raise APIError(400, "'starting_after' goes with 'stream=true'.", param="starting_after")
+    if after is not None and not after.isdigit():
+        raise APIError(400, f"'starting_after' must be a sequence number (got {after[:20]!r}).",
+                       param="starting_after")
+    return stream, int(after) if after is not None else -1
+
+
+async def _background(state: ServerState, plan: Plan, make: MakeSerializer,
+                      req: ResponsesRequest, items: list[dict[str, Any]]) -> Response:
+    """Start a background response in the server's nursery (api/background.py); answer it
+    queued, or (``stream``) follow its events. Admission is checked here, as for a stream: a full
+    queue is still a 429."""
+    writers: list[Any] = []
+
+    def made(plan: Plan, texts: Any) -> Any:
+        writers.append(make(plan, texts))
+        return writers[0]
+
+    store = state.store
+    assert store is not None  # plan_responses refuses background without a store
+    content = await open_stream(state, plan, made, request_timeout(plan, request.headers.get(TIMEOUT_HEADER)))
+    [writer] = writers
+    queued = writer.queued()
+    store.put(stored_record(req, queued, items))
+    run = state.background.start(
+        current_app.nursery, plan.id, content,
+        on_start=lambda: store.put(stored_record(req, writer.queued("in_progress"), items)),
+        on_stop=lambda status: writer.snapshot(status, None if status == "cancelled" else
+                                               {"code": "server_error", "message": "internal error"}))
+    if not plan.stream:
+        return json_response(queued)
+    response = await make_response(run.follow(), 200, sse.HEADERS)
+    response.timeout = None  # trap 1
+    return response
 
 
 def _no_response(response_id: str) -> APIError:

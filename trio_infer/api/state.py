@@ -12,6 +12,7 @@ from quart import Quart
 
 from trio_infer.api.errors import LOADING_RETRY_AFTER_S, SERVER_ERROR, APIError
 from trio_infer.api.plans import ModelLimits
+from trio_infer.api.background import BackgroundRuns
 from trio_infer.api.render import TokenText
 from trio_infer.api.response_store import ResponseStore
 from trio_infer.metrics import Metrics
@@ -35,6 +36,7 @@ class ServerState:
     wiring: Wiring = field(default_factory=Wiring)  # a front end of serve --api-workers: its worker
     started_at: int = field(default_factory=lambda: int(time.time()))
     store: ResponseStore | None = None  # the Responses API's (None: --responses-store off)
+    background: BackgroundRuns = field(default_factory=BackgroundRuns)  # background responses
 
     def serve(self, engine: AsyncEngine | DataParallelEngine, tokenizer: Any) -> None:
         """The model is loaded: requests are served from now on."""
