@@ -161,7 +161,11 @@ def test_a_writer_killed_mid_write_leaves_only_whole_records(tmp_path: Path, kil
         proc.stdout.readline()
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    rows = sqlite3.connect(path).execute("SELECT id, size, response, input FROM responses").fetchall()
+    db = sqlite3.connect(path)
+    rows = db.execute("SELECT id, size, response, input FROM responses").fetchall()
+    # the totals row is written in the same transactions: it never disagrees with the rows
+    assert db.execute("SELECT count, bytes FROM totals").fetchone() == (
+        len(rows), sum(size for _, size, *_ in rows))
     for rid, size, response, items in rows:
         assert json.loads(response)["id"] == rid and json.loads(items) == [{"id": "m"}]
         assert size == len(response) + len(items)

@@ -135,7 +135,10 @@ def plan_tools(req: ChatCompletionRequest, style: str) -> ToolPlan | None:
     if choice == "none":
         return None
     if name not in ("auto", "required"):
+        # A named function is called once (vLLM's named tool choice): a small model allowed to
+        # repeat the call repeats it until max_tokens, and the answer never ends as a call.
         schemas = [schemas[names.index(name)]]
+        parallel = False
     grammar = None
     if not (style == HERMES and name == "auto"):  # hermes ``auto`` is left to the model
         grammar = lark_source(_lark(style, schemas, parallel, name == "auto"))
