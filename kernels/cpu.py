@@ -193,6 +193,15 @@ def waits_sleep_at_once() -> bool:
     return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
 
+def row_length_supported(fmt: str, in_features: int) -> bool:
+    """Whether the packed layouts take rows of ``in_features`` weights in ``fmt`` (what
+    ``tri_row_bytes`` accepts): multiples of 32 weights, of 256 for the K-quants. A GGUF tensor
+    whose rows are another length (llama.cpp's quantizer leaves such a tensor at F16) is
+    widened at load instead (models/loader.py says so in the log)."""
+    return (fmt in FORMATS and in_features > 0 and in_features % 32 == 0
+            and not (fmt.endswith("_K") and in_features % 256))
+
+
 def attention_shape_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Head shapes the C attention takes (it reads head_dim in vectors of 8)."""
     return head_dim % 8 == 0 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 64

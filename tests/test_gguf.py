@@ -22,6 +22,7 @@ with it bitwise. The helpers below build numpy batches and numpy KV caches, whic
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import subprocess
@@ -482,10 +483,18 @@ def llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
+def stored_type(qtype: str, shape: tuple[int, ...]) -> str:
+    """The type a 2-D weight of ``shape`` is stored in for a ``qtype`` file: llama.cpp's
+    converter and quantizer leave a tensor whose rows are not whole blocks at F16."""
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
+    return "F16" if shape[-1] % block else qtype
+
+
 def roundtrip(array: np.ndarray, qtype: str) -> np.ndarray:
     """What a weight becomes after being stored as ``qtype`` (1-D tensors stay F32)."""
     if array.ndim == 1 or qtype == "F32":
         return array
+    qtype = stored_type(qtype, array.shape)
     kind = gguf.GGMLQuantizationType[qtype]
     return gguf.quants.dequantize(gguf.quants.quantize(array, kind), kind)
 
@@ -537,7 +546,7 @@ def write_gguf(checkpoint: Path, out: Path, qtype: str, arch: str | None = None,
                               raw_dtype=gguf.GGMLQuantizationType[blocks_fmt])
         elif data.ndim == 1 or qtype == "F32":
             writer.add_tensor(name, data)
-        elif qtype == "F16":
+        elif stored_type(qtype, data.shape) == "F16":
             writer.add_tensor(name, data.astype(np.float16))
         else:
             kind = gguf.GGMLQuantizationType[qtype]
@@ -594,6 +603,11 @@ TINY_CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "qwen3-q8_0": ("Qwen3ForCausalLM", {}, "Q8_0"),
     "qwen3-bf16": ("Qwen3ForCausalLM", {}, "BF16"),
     "qwen3-q4_1": ("Qwen3ForCausalLM", {}, "Q4_1"),
+    # Rows the packed layouts do not take (down_proj's 172 inputs; the Q8_0 file keeps it at F16,
+    # as llama.cpp's tools do): served by the torch model with that weight widened to fp32.
+    "llama-rows172-f16": ("LlamaForCausalLM", {"intermediate_size": 172}, "F16"),
+    "llama-rows172-bf16": ("LlamaForCausalLM", {"intermediate_size": 172}, "BF16"),
+    "qwen3-rows172-q8_0": ("Qwen3ForCausalLM", {"intermediate_size": 172}, "Q8_0"),
 }
 # Least cosine similarity of a position's logits to the unquantized original's (measured: F16
 # 0.99997, BF16 0.9995, Q8_0 0.977-0.995, Q4_0 0.27: a random model, not a bug, as the exact
@@ -917,3 +931,22 @@ def test_resolve_gguf_paths(tiny_gguf: Path, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="make venv"):
         resolve_model_path(None, cache)
     assert not cache.exists()  # nothing built or downloaded
+
+
+def test_rows_the_packed_layouts_do_not_take_are_widened_with_a_line_saying_so(
+        tiny_checkpoint_factory: CheckpointFactory, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An F16 down_proj with rows of 172 loads (never refused): widened to fp32, and the log
+    names the tensors and the cost; the CPU kernels' model says why it does not serve it."""
+    checkpoint = tiny_checkpoint_factory("LlamaForCausalLM", intermediate_size=172)
+    path = write_gguf(checkpoint, tmp_path / "rows172.gguf", "F16")
+    with caplog.at_level(logging.INFO, logger="trio_infer.models.loader"):
+        model = load_model(path)
+    widened = [r.getMessage() for r in caplog.records if "widened to fp32" in r.getMessage()]
+    assert len(widened) == 1 and "F16 weights have rows of 172" in widened[0]
+    assert "model.layers.0.mlp.down_proj.weight" in widened[0] and "MB as fp32 instead of" in widened[0]
+    assert any("served by the torch model" in r.getMessage() and "rows of 172" in r.getMessage()
+               for r in caplog.records)
+    assert run_greedy(model, [[5, 6, 7]], 4)[0]  # it answers
+    with pytest.raises(ValueError, match="rows of 172"):
+        load_model(path, backend="cpu")

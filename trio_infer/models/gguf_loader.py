@@ -170,6 +170,12 @@ class GGUFCheckpoint:
         """Hugging Face weight name -> its GGUF tensor type name (``"Q4_1"``, ``"F32"``, ...)."""
         return {name: kind for name, (kind, _) in self.tensor_info().items()}
 
+    def tensor_columns(self) -> dict[str, int]:
+        """Hugging Face weight name -> its row length (GGUF's first dimension: a linear
+        weight's input features)."""
+        return {gguf_tensor_name(t.name): int(t.shape[0])
+                for t in self._meta.tensors if t.name != ROPE_FREQS_TENSOR}
+
     def tensor_info(self) -> dict[str, tuple[str, int]]:
         """Hugging Face weight name -> (GGUF type name, number of elements)."""
         return {gguf_tensor_name(t.name): (t.tensor_type.name, int(t.n_elements))

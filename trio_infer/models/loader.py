@@ -141,11 +141,17 @@ def cpu_model_refusal(checkpoint: GGUFCheckpoint, dtype: object, device: str,
                 "are not a shape the C attention takes")
     if default_inv_freq(rope_parameters(checkpoint.config), spec.head_dim) is None:
         return f"rope type {rope_parameters(checkpoint.config)['rope_type']!r}"
-    packed = packed_modules(checkpoint.tensor_formats(), spec.tie_word_embeddings)
+    packed = packed_modules(checkpoint.tensor_formats(), spec.tie_word_embeddings,
+                            checkpoint.tensor_columns())
     linears = [f"model.layers.{i}.{m}" for i in range(spec.num_layers)
                for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
                          "mlp.down_proj")]
     linears.append("model.embed_tokens" if spec.tie_word_embeddings else "lm_head")
+    odd = odd_rows(checkpoint)
+    if odd:
+        name, (kind, length) = next(iter(odd.items()))
+        return (f"{len(odd)} weights ({name} first: {kind}) have rows of {length}, a length the "
+                "CPU kernels' packed layouts do not take (multiples of 32; 256 for K-quants)")
     unread = sorted({_module_formats(checkpoint, m) for m in linears if m not in packed})
     if unread:
         return f"weights in {', '.join(unread)}, which the CPU kernels do not read in place"
@@ -170,7 +176,8 @@ def _load_cpu_model(checkpoint: GGUFCheckpoint, served_name: str | None, activat
     kernels = cpu.load()
     assert kernels is not None  # cpu_model_refusal checked
     spec = LlamaSpec.from_config(checkpoint.config, checkpoint.architecture)
-    packed = packed_modules(checkpoint.tensor_formats(), spec.tie_word_embeddings)
+    packed = packed_modules(checkpoint.tensor_formats(), spec.tie_word_embeddings,
+                            checkpoint.tensor_columns())
     info = _model_info(served_name or default_served_name(checkpoint.path),
                        checkpoint.architecture, spec, spec.num_kv_heads, "float32",
                        checkpoint.eos_token_ids)
@@ -253,7 +260,8 @@ def _load_torch_model(
     packed: dict[str, str | tuple[str, ...]] = {}
     if checkpoint is not None:
         if keep_blocks:
-            packed = packed_modules(checkpoint.tensor_formats(), spec.tie_word_embeddings)
+            packed = packed_modules(checkpoint.tensor_formats(), spec.tie_word_embeddings,
+                                    checkpoint.tensor_columns())
         kept = _kept_weights(packed)
         if keep_blocks:
             _warn_widened(checkpoint, kept)
@@ -333,6 +341,23 @@ def _warn_widened(checkpoint: GGUFCheckpoint, kept: set[str]) -> None:
     for kind, elements in sorted(widened.items()):
         log.warning("%s weights (%d of them, %.0f MB as fp32) are dequantized at load: the CPU "
                     "kernels do not read %s in place", kind, elements, elements * 4 / 1e6, kind)
+    odd: dict[tuple[str, int], list[str]] = {}
+    for name, key in odd_rows(checkpoint).items():
+        odd.setdefault(key, []).append(name)
+    info = checkpoint.tensor_info()
+    for (kind, length), names in sorted(odd.items()):
+        elements = sum(info[n][1] for n in names)
+        width = 2 if kind in ("F16", "BF16") else None
+        cost = (f"{elements * 4 / 1e6:.2f} MB as fp32 instead of {elements * width / 1e6:.2f} MB"
+                if width else f"{elements * 4 / 1e6:.2f} MB as fp32")
+        log.warning("%d %s weights have rows of %d, a length the CPU kernels' packed layouts do "
+                    "not take (multiples of 32; 256 for K-quants): widened to fp32 at load (%s): "
+                    "%s", len(names), kind, length, cost, _names(names))
+
+
+def _names(names: list[str], most: int = 3) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def packing_possible(device: str | torch.device, dtype: torch.dtype | str) -> bool:
@@ -343,12 +368,14 @@ def packing_possible(device: str | torch.device, dtype: torch.dtype | str) -> bo
             and cpu.load() is not None)
 
 
-def packed_modules(formats: dict[str, str], tied: bool) -> dict[str, str | tuple[str, ...]]:
+def packed_modules(formats: dict[str, str], tied: bool,
+                   columns: dict[str, int] | None = None) -> dict[str, str | tuple[str, ...]]:
     """Module name -> format, for each linear layer (and the embedding, the lm_head) whose
-    checkpoint weights are all in formats the CPU kernels read: one format, or for a fused
-    projection whose parts differ (Q4_K_M's q/k in Q4_K, v in Q6_K), one per part. ``formats``:
-    weight name -> GGUF type, as :meth:`GGUFCheckpoint.tensor_formats` gives it."""
-    from trio_infer_kernels.cpu import FORMATS
+    checkpoint weights are all in formats the CPU kernels read, in rows of a length they take
+    (``columns``: weight name -> row length, :meth:`GGUFCheckpoint.tensor_columns`): one format,
+    or for a fused projection whose parts differ (Q4_K_M's q/k in Q4_K, v in Q6_K), one per part.
+    ``formats``: weight name -> GGUF type, as :meth:`GGUFCheckpoint.tensor_formats` gives it."""
+    from trio_infer_kernels.cpu import FORMATS, row_length_supported
 
     out: dict[str, str | tuple[str, ...]] = {}
     modules: dict[str, dict[str, str]] = {}
@@ -365,6 +392,10 @@ def packed_modules(formats: dict[str, str], tied: bool) -> dict[str, str | tuple
             continue
         if not all(kind in FORMATS for kind in kinds.values()):
             continue
+        if columns is not None and not all(
+                row_length_supported(kind, columns[_weight_name(module, proj)])
+                for proj, kind in kinds.items()):
+            continue
         if len(set(kinds.values())) == 1:
             out[module] = next(iter(kinds.values()))
         elif leaf in _FUSED_FROM and set(kinds) == set(_FUSED_FROM[leaf]):
@@ -372,6 +403,23 @@ def packed_modules(formats: dict[str, str], tied: bool) -> dict[str, str | tuple
     if tied:
         out.pop("lm_head", None)
     return out
+
+
+def _weight_name(module: str, proj: str) -> str:
+    """The checkpoint name of part ``proj`` of ``module`` (itself, unless it is fused)."""
+    parent, _, leaf = module.rpartition(".")
+    return f"{parent}.{proj}.weight" if leaf in _FUSED_FROM else f"{module}.weight"
+
+
+def odd_rows(checkpoint: GGUFCheckpoint) -> dict[str, tuple[str, int]]:
+    """Weights in a format the kernels read, in rows of a length their packed layouts do not
+    take: name -> (type, row length)."""
+    from trio_infer_kernels.cpu import FORMATS, row_length_supported
+
+    columns = checkpoint.tensor_columns()
+    return {name: (kind, columns[name]) for name, kind in checkpoint.tensor_formats().items()
+            if name.endswith(".weight") and kind in FORMATS
+            and not row_length_supported(kind, columns[name])}
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
