@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help='print {"text","token_ids","finish_reason"}')
+    gen.add_argument("--log-level", default="warning",
+                     help="logging level (default: warning; debug shows a failed load's traceback)")
     return parser
 
 
@@ -253,8 +255,22 @@ async def generate(
 def _generate_main(args: argparse.Namespace) -> int:
     import trio
 
+    from trio_infer.runtime.worker_link import WorkerStartError
+
+    level = getattr(logging, str(args.log_level).upper(), logging.WARNING)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = _settings(args, [n for n in Settings.model_fields])
-    result = trio.run(generate, settings, args.prompt, args.max_tokens, args.temperature, args.seed)
+    try:
+        result = trio.run(generate, settings, args.prompt, args.max_tokens, args.temperature,
+                          args.seed)
+    except (Exception, BaseExceptionGroup) as exc:
+        # A model that cannot be loaded is one line naming the file and why (the loaders'
+        # messages say which tensor or key, and what is supported); a traceback only at debug.
+        reason = _innermost(exc)
+        if level <= logging.DEBUG or not isinstance(reason, (WorkerStartError, ValueError, OSError)):
+            raise
+        print(f"error: the model could not be loaded: {reason}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
     else:

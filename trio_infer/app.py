@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -254,4 +255,26 @@ async def drain(app: QuartTrio, grace_s: float) -> None:
     engine.abort_all(EngineUnavailable("the server is shutting down"))
 
 
+def _only_load_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is a :class:`LoadFailed`, alone or in exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return isinstance(exc, LoadFailed)
+
+
+def _quiet_load_failures(previous: Any) -> Any:
+    """A ``sys.excepthook`` for a process that serves :data:`app` (bare hypercorn): a load that
+    failed leaves hypercorn's run as :class:`LoadFailed`, whose reason the app already logged in
+    one line (the file, the tensor, what is supported), so the traceback is not printed again
+    unless this package logs at debug level. Anything else goes to ``previous``."""
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if _only_load_failed(exc) and not log.isEnabledFor(logging.DEBUG):
+            return
+        previous(kind, exc, tb)
+
+    return hook
+
+
 app = create_app()
+sys.excepthook = _quiet_load_failures(sys.excepthook)

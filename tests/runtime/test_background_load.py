@@ -219,6 +219,29 @@ def test_a_failing_load_stops_the_server_with_its_reason(
         assert code == 1, text[-3000:]
 
 
+@pytest.mark.parametrize("command, workers", [("serve", None), ("hypercorn", "0")])
+def test_a_broken_gguf_file_is_one_line_naming_it(
+    command: str, workers: str | None, tiny_checkpoint: Path, tmp_path: Path,
+    processes: list[subprocess.Popen],
+) -> None:
+    """A truncated GGUF file: the server stops with one error line that names the file and the
+    tensor, and no traceback (that is for --log-level debug)."""
+    from tests.test_gguf import write_gguf
+
+    good = write_gguf(tiny_checkpoint, tmp_path / "good.gguf", "Q8_0")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    proc, url, log = start(command, broken, tmp_path, workers=workers)
+    processes.append(proc)
+    assert proc.wait(timeout=120) == 1
+    text = log.read_text()
+    errors = [line for line in text.splitlines() if "could not" in line or " ERROR " in line]
+    assert len(errors) == 1, text[-3000:]
+    assert "the model could not be loaded" in errors[0] and str(broken) in errors[0]
+    assert "truncated or corrupt" in errors[0] and "tensor '" in errors[0]
+    assert "Traceback" not in text, text[-3000:]
+
+
 def test_a_missing_model_stops_the_server_without_a_traceback(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "trio_infer", "serve", "--model", str(tmp_path / "missing"),

@@ -39,7 +39,8 @@ def metadata_end(path: str | Path) -> int:
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             magic, _, _, n_kv = _HEADER.unpack_from(buf, 0)
             if magic != b"GGUF":
-                raise GGUFError(f"cannot read GGUF file {path}: it starts with {magic!r}")
+                raise GGUFError(f"cannot read GGUF file {path}: it starts with {magic!r}, not b'GGUF' "
+                            "(not a GGUF file)")
             try:
                 pos = _HEADER.size
                 for _ in range(n_kv):

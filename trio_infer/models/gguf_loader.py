@@ -232,11 +232,14 @@ def load_gguf_tokenizer(path: Path) -> Any:
 
     try:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception:
+    except Exception as exc:
         # transformers' messages for a file it cannot read are cryptic (a numpy reshape error for
-        # a truncated file): give ours if the file is at fault, else let the original through.
+        # a truncated file): ours, located, if the file's structure is at fault; else what
+        # transformers said of its tokenizer metadata, on one line.
         GGUFCheckpoint.open(path)
-        raise
+        said = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise GGUFError(f"{path}: its tokenizer (the tokenizer.ggml.* metadata) cannot be built: "
+                        f"{type(exc).__name__}: {said}") from exc
 
 
 # -- helpers --------------------------------------------------------------------------------------

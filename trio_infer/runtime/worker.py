@@ -410,7 +410,11 @@ class _ProgressSender:
 # read: ``models/paths.py`` names the model and what to do): logged as one line and sent as it is,
 # so that the front end reports the same reason in the same words whichever of its tokenizer's
 # load and this one finds it first (they race).
-_SAYS_WHY = (FileNotFoundError, NotADirectoryError, PermissionError)
+# Load errors whose message is the whole story: a model that is not there, and what the loaders
+# raise for a file or a config they cannot serve (ValueError: GGUFError for a broken or
+# unsupported GGUF file, ShardError, an unsupported setting), each naming the file, the tensor or
+# key and what is supported. One line, from the front end; the traceback at debug level.
+_SAYS_WHY = (FileNotFoundError, NotADirectoryError, PermissionError, IsADirectoryError, ValueError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -446,8 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (BrokenPipeError, ConnectionResetError):
         return 0  # the front end left mid-load
     except Exception as exc:
-        if isinstance(exc, _SAYS_WHY):  # a model that is not there: its message is the reason
-            log.error("the worker could not load the model: %s", exc)
+        if isinstance(exc, _SAYS_WHY):  # its message is the reason: the front end says it, once
+            log.debug("the worker could not load the model", exc_info=True)
             reason = str(exc)
         else:  # anything else may be a bug: its traceback too
             log.exception("the worker could not load the model")
