@@ -10,6 +10,7 @@ path and the ``ForwardBatch`` layout, not just the layer math.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3ForCausalLM", {}),
     "qwen3-untied": ("Qwen3ForCausalLM", {"tie_word_embeddings": False}),
     "qwen3-sharded": ("Qwen3ForCausalLM", {"max_shard_size": "100KB"}),
+    # Mistral: Llama's layers; v0.2+ without a window, v0.1 with one (the context is capped at it).
+    "mistral": ("MistralForCausalLM", {"sliding_window": None}),
+    "mistral-window": ("MistralForCausalLM", {"sliding_window": 96}),
+    # Phi-3: q/k/v and gate/up stored fused, split at load.
+    "phi3": ("Phi3ForCausalLM", {}),
 }
 
 
@@ -292,11 +298,12 @@ def test_model_info(tiny_checkpoint_factory: CheckpointFactory) -> None:
 def test_unknown_architecture_is_a_clear_error(tiny_checkpoint: Path, tmp_path: Path) -> None:
     path = copy_checkpoint(tiny_checkpoint, tmp_path / "ckpt")
     config = json.loads((path / "config.json").read_text())
-    config["architectures"] = ["MistralForCausalLM"]
+    config["architectures"] = ["GemmaForCausalLM"]
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="MistralForCausalLM") as error:
+    with pytest.raises(ValueError, match="GemmaForCausalLM") as error:
         load_model(path)
-    for supported in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
+                      "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert supported in str(error.value)
 
 
@@ -392,3 +399,14 @@ def test_builders_are_deterministic(tmp_path: Path, tiny_checkpoint: Path) -> No
     again = build_random_checkpoint(tmp_path / "again", "Qwen3ForCausalLM", **SHAPES["tiny"])
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (again / name).read_bytes() == (tiny_checkpoint / name).read_bytes(), name
+
+
+def test_a_sliding_window_caps_the_context_and_says_so(tiny_checkpoint_factory,  # type: ignore[no-untyped-def]
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Mistral v0.1's window (96 here): the context is the window, where attention is exact."""
+    with caplog.at_level(logging.WARNING, logger="trio_infer.models.loader"):
+        model = load_model(tiny_checkpoint_factory("MistralForCausalLM", sliding_window=96))
+    assert model.info.max_model_len == 96
+    assert any("sliding window of 96 tokens" in r.getMessage() for r in caplog.records)
+    full = load_model(tiny_checkpoint_factory("MistralForCausalLM", sliding_window=None))
+    assert full.info.max_model_len == 4096

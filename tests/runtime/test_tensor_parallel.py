@@ -191,12 +191,14 @@ CHECKPOINTS = {
     "llama": ("LlamaForCausalLM", {}),
     "qwen2-bias-untied": ("Qwen2ForCausalLM", {"tie_word_embeddings": False}),
     "qwen3": ("Qwen3ForCausalLM", {}),
+    "phi3": ("Phi3ForCausalLM", {}),  # its fused q/k/v and gate/up split before the shard plan
 }
 
 
 # Each case starts a group of two processes (~15-20 s on 2 cores): by default Llama runs (and
-# SmolLM2's GGUF below, a Llama too); Qwen2's biases and Qwen3's q/k norms with
-# TRIO_INFER_TP_FULL=1, which keeps `make test` under its time budget on the 2-core CI.
+# SmolLM2's GGUF below, a Llama too); Qwen2's biases, Qwen3's q/k norms and Phi-3's stored fused
+# projections with TRIO_INFER_TP_FULL=1, which keeps `make test` under its time budget on the
+# 2-core CI.
 TP_FULL = os.environ.get("TRIO_INFER_TP_FULL") == "1"
 FULL_ONLY = pytest.mark.skipif(not TP_FULL, reason="TRIO_INFER_TP_FULL=1 runs it")
 

@@ -33,6 +33,7 @@ from trio_infer.models.spec import (
     cos_sin_table,
     default_inv_freq,
     rope_parameters,
+    split_fused,
 )
 
 if TYPE_CHECKING:
@@ -195,6 +196,10 @@ def _load_cpu_model(checkpoint: GGUFCheckpoint, served_name: str | None, activat
 
 def _model_info(name: str, architecture: str, spec: LlamaSpec, num_kv_heads: int, dtype: str,
                 eos_token_ids: tuple[int, ...]) -> ModelInfo:
+    if spec.sliding_window is not None and spec.max_position_embeddings == spec.sliding_window:
+        log.warning("%s attends over a sliding window of %d tokens, which is not implemented "
+                    "beyond its length: the context is capped at %d tokens (where it is exactly "
+                    "the windowed attention)", name, spec.sliding_window, spec.sliding_window)
     return ModelInfo(name=name, architecture=architecture, num_layers=spec.num_layers,
                      num_kv_heads=num_kv_heads, head_dim=spec.head_dim,
                      vocab_size=spec.vocab_size, max_model_len=spec.max_position_embeddings,
@@ -257,6 +262,8 @@ def _load_torch_model(
         eos_ids = eos_token_ids(path, config)
         weights = partial(_iter_safetensors, path)
     spec = LlamaSpec.from_config(config, architecture)
+    if checkpoint is None and architecture in STORED_FUSED_ARCHITECTURES:
+        weights = partial(_split, weights, spec)  # before a shard plan sees the names
     packed: dict[str, str | tuple[str, ...]] = {}
     if checkpoint is not None:
         if keep_blocks:
@@ -315,6 +322,17 @@ def release_freed_memory() -> None:
     trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
     if trim is not None:  # glibc
         trim(0)
+
+
+# Architectures whose checkpoints store q/k/v and gate/up fused (models/spec.py: split_fused).
+STORED_FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
+
+
+def _split(weights: Callable[[str], Iterator[tuple[str, torch.Tensor]]], spec: LlamaSpec,
+           desc: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with its stored fused projections split into their parts."""
+    for name, tensor in weights(desc):
+        yield from split_fused(name, tensor, spec)
 
 
 def _sharded(weights: Callable[[str], Iterator[tuple[str, torch.Tensor]]], plan: ShardPlan,

@@ -1,4 +1,4 @@
-"""The shape of a Llama, Qwen2 or Qwen3 checkpoint, read from its config: what both model
+"""The shape of a Llama, Mistral, Phi-3, Qwen2 or Qwen3 checkpoint, read from its config: what both model
 implementations (the torch one, models/llama.py; the CPU kernels' one, models/cpu_llama.py)
 build from. No torch here: the CPU model's worker never imports it."""
 
@@ -11,9 +11,18 @@ import numpy as np
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+
+# Checkpoints that store a fused projection themselves (Phi-3: qkv_proj, gate_up_proj): the
+# weight iterators split them into the parts above (``split_fused``), in this order of rows.
+STORED_FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
 # Checkpoint projection -> (fused weight, index of its part in the fused output): both models
 # fuse q/k/v and gate/up into one weight each (two products fewer per layer).
@@ -53,6 +62,11 @@ class LlamaSpec:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    # The attention window of a sliding-window model (Mistral v0.1, Phi-3, Qwen2 with
+    # use_sliding_window), None for full attention. The window is not implemented beyond its
+    # length: the context (max_position_embeddings above) is capped at it, where every query
+    # sees every earlier token, so attention is exactly the windowed one.
+    sliding_window: int | None = None
 
     @classmethod
     def from_config(cls, config: Any, architecture: str) -> LlamaSpec:
@@ -62,12 +76,14 @@ class LlamaSpec:
                 f"unsupported architecture {architecture!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+        if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+            raise ValueError("partial rotary embeddings (partial_rotary_factor "
+                             f"{config.partial_rotary_factor}) are not supported")
         hidden = int(config.hidden_size)
         heads = int(config.num_attention_heads)
         attention_bias = bool(getattr(config, "attention_bias", False))
         is_qwen2 = architecture == "Qwen2ForCausalLM"
+        window = sliding_window(config, architecture)
         return cls(
             architecture=architecture,
             hidden_size=hidden,
@@ -77,7 +93,9 @@ class LlamaSpec:
             head_dim=int(getattr(config, "head_dim", None) or hidden // heads),
             intermediate_size=int(config.intermediate_size),
             vocab_size=int(config.vocab_size),
-            max_position_embeddings=int(config.max_position_embeddings),
+            max_position_embeddings=min(int(config.max_position_embeddings),
+                                        window or int(config.max_position_embeddings)),
+            sliding_window=window,
             rms_norm_eps=float(config.rms_norm_eps),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases and never an o_proj bias; Llama and Qwen3 follow
@@ -87,6 +105,52 @@ class LlamaSpec:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=architecture == "Qwen3ForCausalLM",
         )
+
+
+def sliding_window(config: Any, architecture: str) -> int | None:
+    """The window a checkpoint's attention slides over, or None: Mistral and Phi-3 configs set
+    ``sliding_window`` (null for full attention, as Mistral v0.2+); Qwen2's applies only with
+    ``use_sliding_window``."""
+    window = getattr(config, "sliding_window", None)
+    if architecture == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
+        return None
+    if architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM") and not getattr(
+            config, "use_sliding_window", False):
+        return None
+    return int(window) if window else None
+
+
+def split_fused(name: str, tensor: Any, spec: LlamaSpec) -> list[tuple[str, Any]]:
+    """A checkpoint tensor as the checkpoint names the models load: a stored fused projection
+    (``STORED_FUSED``: Phi-3's qkv_proj and gate_up_proj, weights or biases) split by rows into
+    its parts; any other tensor as it is. Rows are independent in every format the loaders keep
+    (a packed weight's rows too), so the split is a view or a copy of whole rows."""
+    module, _, attr = name.rpartition(".")
+    parent, _, proj = module.rpartition(".")
+    parts = STORED_FUSED.get(proj)
+    if parts is None:
+        return [(name, tensor)]
+    if proj == "qkv_proj":
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        sizes = (q, kv, kv)
+    else:
+        sizes = (spec.intermediate_size, spec.intermediate_size)
+    rows = tensor.shape[0] if not hasattr(tensor, "out_features") else tensor.out_features
+    if rows != sum(sizes):
+        raise ValueError(f"{name}: {rows} rows, expected {sum(sizes)} ({' + '.join(map(str, sizes))})")
+    out, start = [], 0
+    for part, size in zip(parts, sizes):
+        out.append((f"{parent}.{part}.{attr}", _rows(tensor, start, start + size)))
+        start += size
+    return out
+
+
+def _rows(tensor: Any, start: int, stop: int) -> Any:
+    if hasattr(tensor, "out_features"):  # a packed weight: its rows of blocks
+        import dataclasses
+
+        return dataclasses.replace(tensor, data=tensor.data[start:stop])
+    return tensor[start:stop]
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:

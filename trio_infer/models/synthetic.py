@@ -46,6 +46,8 @@ CHAT_TEMPLATE = (
 # Architecture -> transformers model_type, for the config class.
 MODEL_TYPES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
@@ -286,4 +288,9 @@ def init_weights(model: PreTrainedModel, seed: int) -> None:
             value = noise * (_LOGIT_STD / math.sqrt(hidden))
         else:
             value = gain * noise / math.sqrt(param.shape[1])
+            if name.endswith("qkv_proj.weight"):  # stored fused (Phi-3): the gain on q and k rows
+                cfg = model.config
+                head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+                qk_rows = (cfg.num_attention_heads + cfg.num_key_value_heads) * head_dim
+                value[:qk_rows] *= _QK_GAIN
         param.copy_(value)
