@@ -454,8 +454,9 @@ def test_smollm2_answers_the_capital_of_france(smollm2: tuple[Any, Any]) -> None
 
 # --- GGUF files written from the tiny checkpoints ---------------------------------------------
 
-GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-MODEL_ARCH = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+             "Phi3ForCausalLM": "phi3"}
+MODEL_ARCH = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "phi3": "PHI3"}
 
 
 def llamacpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -508,7 +509,8 @@ def write_gguf(checkpoint: Path, out: Path, qtype: str, arch: str | None = None,
     config = json.loads((checkpoint / "config.json").read_text())
     arch = arch or GGUF_ARCH[config["architectures"][0]]
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
-    kv_heads, head_dim = config["num_key_value_heads"], config["head_dim"]
+    kv_heads = config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
     rope = config["rope_parameters"]
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_block_count(layers)
@@ -608,6 +610,9 @@ TINY_CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "llama-rows172-f16": ("LlamaForCausalLM", {"intermediate_size": 172}, "F16"),
     "llama-rows172-bf16": ("LlamaForCausalLM", {"intermediate_size": 172}, "BF16"),
     "qwen3-rows172-q8_0": ("Qwen3ForCausalLM", {"intermediate_size": 172}, "Q8_0"),
+    # Phi-3: q/k/v as one attn_qkv, gate and up as one ffn_up; split at load.
+    "phi3-f16": ("Phi3ForCausalLM", {}, "F16"),
+    "phi3-q8_0": ("Phi3ForCausalLM", {}, "Q8_0"),
 }
 # Least cosine similarity of a position's logits to the unquantized original's (measured: F16
 # 0.99997, BF16 0.9995, Q8_0 0.977-0.995, Q4_0 0.27: a random model, not a bug, as the exact
@@ -889,8 +894,8 @@ def tiny_gguf(tiny_checkpoint_factory: CheckpointFactory, tmp_path_factory: pyte
 def test_unsupported_architecture_is_refused(tiny_checkpoint_factory: CheckpointFactory,
                                              tmp_path: Path) -> None:
     path = write_gguf(tiny_checkpoint_factory("LlamaForCausalLM"), tmp_path / "x.gguf", "F16",
-                      arch="phi3")
-    with pytest.raises(GGUFError, match="unsupported GGUF architecture 'phi3'.*llama, qwen2, qwen3"):
+                      arch="gemma2")
+    with pytest.raises(GGUFError, match="unsupported GGUF architecture 'gemma2'.*llama, qwen2, qwen3, phi3"):
         load_model(path)
 
 

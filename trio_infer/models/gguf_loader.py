@@ -39,12 +39,14 @@ from trio_infer_kernels.cpu import PackedWeight
 from trio_infer.models.gguf_meta import GGUFMetadata, TensorInfo
 from trio_infer.models.parallel import ShardError, ShardPlan, block_columns
 from trio_infer.models.paths import GGUFError, find_gguf  # noqa: F401 (re-exported)
+from trio_infer.models.spec import LlamaSpec, split_fused
 
 # GGUF ``general.architecture`` -> the Hugging Face architecture our model implements.
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 # Tensor types we dequantize (with gguf.quants.dequantize), by GGMLQuantizationType name.
@@ -69,6 +71,11 @@ _LAYER_TENSORS: dict[str, str] = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Architectures whose files store fused projections under their own names (Phi-3: q/k/v as
+# attn_qkv, gate and up as one ffn_up of twice the rows).
+_ARCH_LAYER_TENSORS: dict[str, dict[str, str]] = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
 _GLOBAL_TENSORS: dict[str, str] = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -80,13 +87,15 @@ _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 
-def gguf_tensor_name(name: str) -> str:
+def gguf_tensor_name(name: str, arch: str = "llama") -> str:
     """llama.cpp tensor name -> Hugging Face parameter name (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``). Raises :class:`GGUFError` for an unknown one."""
+    ``model.layers.3.self_attn.q_proj.weight``), for a file of GGUF architecture ``arch``.
+    Raises :class:`GGUFError` for an unknown one."""
     if m := _LAYER_RE.match(name):
         layer, kind, attr = m.groups()
-        if kind in _LAYER_TENSORS:
-            return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{attr}"
+        names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(arch, {})}
+        if kind in names:
+            return f"model.layers.{layer}.{names[kind]}.{attr}"
     elif m := _GLOBAL_RE.match(name):
         kind, attr = m.groups()
         if kind in _GLOBAL_TENSORS:
@@ -173,12 +182,12 @@ class GGUFCheckpoint:
     def tensor_columns(self) -> dict[str, int]:
         """Hugging Face weight name -> its row length (GGUF's first dimension: a linear
         weight's input features)."""
-        return {gguf_tensor_name(t.name): int(t.shape[0])
+        return {gguf_tensor_name(t.name, self.gguf_architecture): int(t.shape[0])
                 for t in self._meta.tensors if t.name != ROPE_FREQS_TENSOR}
 
     def tensor_info(self) -> dict[str, tuple[str, int]]:
         """Hugging Face weight name -> (GGUF type name, number of elements)."""
-        return {gguf_tensor_name(t.name): (t.tensor_type.name, int(t.n_elements))
+        return {gguf_tensor_name(t.name, self.gguf_architecture): (t.tensor_type.name, int(t.n_elements))
                 for t in self._meta.tensors if t.name != ROPE_FREQS_TENSOR}
 
     def iter_weights(
@@ -198,11 +207,16 @@ class GGUFCheckpoint:
         permute = self.gguf_architecture == "llama"
         num_heads = int(self.config.num_attention_heads)
         num_kv_heads = int(self.config.num_key_value_heads)
+        stored_fused = self.gguf_architecture in _ARCH_LAYER_TENSORS
+        if stored_fused and shard is not None:
+            raise ShardError(f"{self.path.name}: tensor parallelism of a {self.gguf_architecture} "
+                             "GGUF file (its fused q/k/v and gate/up tensors) is not built")
+        spec = LlamaSpec.from_config(self.config, self.architecture) if stored_fused else None
         with tqdm(total=self.num_tensors, desc=desc, unit="tensor") as progress:
             for tensor in self._meta.tensors:
                 if tensor.name == ROPE_FREQS_TENSOR:
                     continue  # folded into the rotary table (see rope_freq_factors)
-                name = gguf_tensor_name(tensor.name)
+                name = gguf_tensor_name(tensor.name, self.gguf_architecture)
                 weight: np.ndarray | PackedWeight
                 if name in keep:
                     weight = _blocks(self.path, tensor,
@@ -222,7 +236,10 @@ class GGUFCheckpoint:
                     weight = unpermute_qk(weight, heads)
                 if shard is not None:
                     weight = shard.take(name, weight)
-                yield name, weight
+                if spec is not None:
+                    yield from split_fused(name, weight, spec)
+                else:
+                    yield name, weight
                 progress.update(1)
 
 
@@ -312,6 +329,11 @@ def _config(path: Path, arch: str, fields: dict[str, Any], tensors: dict[str, Te
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
     )
+    if arch == "phi3":
+        if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+            raise GGUFError(f"{path}: Phi-3's longrope (rope_factors_long/short: the 128k files) "
+                            "is not supported; the 4k files (default rope) are")
+        kwargs["sliding_window"] = meta("attention.sliding_window")
     if arch == "llama":
         kwargs["attention_bias"] = has("attn_q.bias") or has("attn_output.bias")
         kwargs["mlp_bias"] = has("ffn_gate.bias")

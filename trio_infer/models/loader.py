@@ -212,7 +212,9 @@ def _kept_weights(packed: dict[str, str | tuple[str, ...]]) -> set[str]:
     for module in packed:
         parent, _, leaf = module.rpartition(".")
         parts = _FUSED_FROM.get(leaf)
-        kept |= {f"{parent}.{p}.weight" for p in parts} if parts else {f"{module}.weight"}
+        # a fused module's parts, or the fused weight itself where the file stores it so (Phi-3)
+        kept |= {f"{parent}.{p}.weight" for p in parts} | {f"{module}.weight"} if parts \
+            else {f"{module}.weight"}
     return kept
 
 
