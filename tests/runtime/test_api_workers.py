@@ -82,6 +82,9 @@ def test_two_front_ends_share_one_worker_and_survive_its_death(tmp_path: Path) -
         for rid in ids * 2:
             assert httpx.get(f"{url}/v1/responses/{rid}", timeout=30).json()["id"] == rid
         assert output.count("share their stored responses in a temporary SQLite file") == 1
+        r = httpx.post(url + "/v1/responses", json={"model": "fake", "input": "hi", "background": True},
+                       timeout=30)  # its cancel could reach another front end: refused by name
+        assert r.status_code == 400 and r.json()["error"]["param"] == "background"
 
         os.kill(worker, signal.SIGKILL)
         wait_for(lambda: health(url) == 503, 5, "503 while the worker is gone")

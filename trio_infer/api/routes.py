@@ -245,6 +245,12 @@ def register_routes(app: Quart) -> None:
             keep = lambda response: store.put(stored_record(req, response, items))  # noqa: E731
         make = responses_serializer(echo, keep, req.include or ())
         if req.background:
+            if state.wiring.worker_address is not None:  # one of several front ends
+                raise APIError(400, "'background': true is not served with --api-workers > 1: "
+                               "the response would run in one front end process, and its cancel "
+                               "or resumed stream may reach another. Send it without 'background' "
+                               "(or 'stream': true), or serve with one front end.",
+                               param="background", code="unsupported_parameter")
             return await _background(state, plan, make, req, items)
         return await _serve(state, plan, make)
 
