@@ -62,7 +62,7 @@ FORMATS = {
     "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
 }
 # Bumped with cpu_kernels.c's tri_abi_version whenever the ctypes boundary changes.
-ABI_VERSION = 7
+ABI_VERSION = 8
 # How the kernels multiply x with quantized weights (cpu_kernels.c, lin_activations): exact fp32,
 # or x rounded per 32-block to int8 (every product of every block format, llama.cpp's numerics).
 # The tolerance is in docs/kernels.md; 16-bit float weights always multiply exactly.
@@ -457,28 +457,51 @@ def _fmt_code(w: PackedWeight) -> int:
     return FORMATS[w.fmt] | _LAYOUT_FLAGS[w.layout]
 
 
-def _kv_is_f16(kind: Any) -> bool:
-    """Whether a KV cache's dtype is fp16 (else fp32): ``kind`` is a numpy dtype (or scalar
-    type), a torch dtype, "float32"/"float16", or a cache (numpy array or torch tensor) whose
-    dtype it reads. ValueError for any other dtype."""
+# The KV cache kinds the C kernels read and write (cpu_kernels.c: KV_F32, KV_F16, KV_Q8_0). A
+# q8_0 cache is a uint8 array [pages, page_size, Hkv, D / 32 * 34]: ggml's block_q8_0 (an fp16
+# scale, 32 int8 codes) in place of every 32 values of a head's row.
+KV_KINDS = {"float32": 0, "float16": 1, "q8_0": 2}
+Q8_0_BLOCK_BYTES = 34
+
+
+def _kv_kind(kind: Any) -> int:
+    """The C kernels' code of a KV cache's kind: ``kind`` is a numpy dtype (or scalar type), a
+    torch dtype, "float32"/"float16"/"q8_0", or a cache (numpy array or torch tensor) whose
+    dtype says it (uint8: q8_0). ValueError for any other."""
     if isinstance(kind, np.ndarray) or hasattr(kind, "data_ptr"):  # a cache: its dtype
         kind = kind.dtype
     if isinstance(kind, str):
         name = kind
-    elif str(kind) in ("torch.float32", "torch.float16"):  # torch's dtypes, torch not imported
+    elif str(kind) in ("torch.float32", "torch.float16", "torch.uint8"):  # torch not imported
         name = str(kind).removeprefix("torch.")
     else:
         try:
             name = np.dtype(kind).name if kind is not None else None
         except (TypeError, ValueError):
             name = None
-    if name in ("float32", "float16"):
-        return name == "float16"
-    raise ValueError(f"the C kernels read an fp32 or fp16 KV cache, not {kind}")
+    name = "q8_0" if name == "uint8" else name
+    if name in KV_KINDS:
+        return KV_KINDS[name]
+    raise ValueError(f"the C kernels read an fp32, fp16 or q8_0 KV cache, not {kind}")
+
+
+def _kv_is_f16(kind: Any) -> bool:
+    """Whether a KV cache's kind (as :func:`_kv_kind` reads it) is fp16."""
+    return _kv_kind(kind) == KV_KINDS["float16"]
 
 
 def _kv_f16(cache: Array) -> int:
-    return int(_kv_is_f16(cache))
+    """The kind code the C entry points take (their argument is named kv_f16)."""
+    return _kv_kind(cache)
+
+
+def kv_row_bytes(kind: str, head_dim: int) -> int:
+    """Bytes of one head's row of ``head_dim`` values in a cache of ``kind``."""
+    if kind == "q8_0":
+        if head_dim % 32:
+            raise ValueError(f"a q8_0 KV cache takes heads of a multiple of 32 values, not {head_dim}")
+        return head_dim // 32 * Q8_0_BLOCK_BYTES
+    return head_dim * {"float32": 4, "float16": 2}[kind]
 
 
 class CpuKernels:
@@ -602,7 +625,7 @@ class CpuKernels:
     def rope_store(self, q: Array, k: Array, v: Array, positions: Array, slots: Array,
                    cos_sin: Array, k_cache: Array, v_cache: Array) -> None:
         """In place: rotary on q [T, Hq, D] and k [T, Hkv, D]; then k, v into their slots of an
-        fp32 or fp16 cache."""
+        fp32, fp16 or q8_0 cache."""
         t, hq, d = q.shape
         hkv = k.shape[1]
         self._lib.tri_rope_store(_ptr(q), _row_stride(q), _ptr(k), _row_stride(k),
@@ -713,7 +736,7 @@ class DecodeStep:
                  kv_dtype: Any = "float32") -> None:
         self._lib = lib
         self._keep = w
-        kv_f16 = _kv_is_f16(kv_dtype)
+        kv_f16 = _kv_kind(kv_dtype)
         layers = (_Layer * len(w.layers))()
         for i, lw in enumerate(w.layers):
             layers[i] = _Layer(_ptr(lw.input_norm), _ptr(lw.post_norm), _ptr(lw.q_norm),
@@ -751,7 +774,7 @@ class DecodeStep:
         """int64 contiguous ids, positions, slots, seq_lens [B] and page_table [B, pages] (rows
         contiguous); caches [pages, page_size, Hkv, D] per layer, of this step's KV dtype ->
         logits [B, vocab] of the kind of ``ids``."""
-        if _kv_is_f16(k_caches[0]) != self._kv_f16:
+        if _kv_kind(k_caches[0]) != self._kv_f16:
             raise ValueError(f"a {self.kv_dtype} step given a {k_caches[0].dtype} KV cache")
         b = ids.shape[0]
         logits = _empty(ids, b, self.vocab_size)

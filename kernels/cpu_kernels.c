@@ -51,7 +51,7 @@ enum {
 };
 
 /* Bumped whenever a struct or signature of the ctypes boundary changes; kernels/cpu.py checks it. */
-int tri_abi_version(void) { return 7; }
+int tri_abi_version(void) { return 8; }
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -2375,13 +2375,43 @@ void tri_silu_and_mul(const float *x, int M, int I, float *y, int nthreads) {
     silu_and_mul_omp(x, M, I, y);
 }
 
-/* The KV cache holds fp32 or fp16 values (kv_f16); these read and write 8 of them at a time. */
+/* The KV cache holds fp32, fp16 or q8_0 values: ``kv_f16`` is the kind (KV_F32, KV_F16,
+ * KV_Q8_0; the name is the ABI's). A q8_0 cache is ggml's block_q8_0 in place of every 32
+ * values of a head's row (an fp16 scale d, then 32 int8 codes q: value = d * q), so an element
+ * index ``at`` (a multiple of 8 here) is byte (at / 32) * 34 + 2 + at % 32 of the cache. These
+ * read and write 8 of them at a time. */
+#define KV_F32 0
+#define KV_F16 1
+#define KV_Q8_0 2
+#define Q8_0_BYTES 34
+
 INLINE __m256 kv_load(const void *cache, size_t at, int kv_f16) {
+    if (kv_f16 == KV_Q8_0) {
+        const uint8_t *block = (const uint8_t *)cache + (at >> 5) * Q8_0_BYTES;
+        uint16_t d;
+        memcpy(&d, block, 2);
+        const __m128i q = _mm_loadl_epi64((const __m128i *)(block + 2 + (at & 31)));
+        return _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
     if (kv_f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + at)));
     return _mm256_loadu_ps((const float *)cache + at);
 }
 
+/* n values (a multiple of 32 for q8_0) at element index ``at`` (one of 32 for q8_0). q8_0 as
+ * ggml's quantize_row_q8_0_ref: d = max |x| / 127, q = round(x / d), d kept as fp16. */
 static void kv_store(void *cache, size_t at, const float *x, int n, int kv_f16) {
+    if (kv_f16 == KV_Q8_0) {
+        uint8_t *block = (uint8_t *)cache + (at >> 5) * Q8_0_BYTES;
+        for (int b = 0; b < n; b += 32, block += Q8_0_BYTES) {
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[b + j]));
+            const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+            const uint16_t dh = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            memcpy(block, &dh, 2);
+            for (int j = 0; j < 32; j++) ((int8_t *)block)[2 + j] = (int8_t)roundf(x[b + j] * id);
+        }
+        return;
+    }
     if (!kv_f16) {
         memcpy((float *)cache + at, x, (size_t)n * sizeof(float));
         return;
@@ -2392,6 +2422,11 @@ static void kv_store(void *cache, size_t at, const float *x, int n, int kv_f16) 
         _mm_storeu_si128((__m128i *)(o + i),
                          _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     for (; i < n; i++) o[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* Bytes of n cache values of kind kv_f16 (n a multiple of 32 for q8_0; else rounded up). */
+INLINE size_t kv_bytes(size_t n, int kv_f16) {
+    return kv_f16 == KV_Q8_0 ? (n + 31) / 32 * Q8_0_BYTES : n * (kv_f16 ? 2 : 4);
 }
 
 /* Neox rotary embedding in place on q [T, Hq, D] and k [T, Hkv, D] (rows ``q_stride`` and
@@ -2453,7 +2488,7 @@ void tri_rope_store(float *q, int q_stride, float *k, int k_stride, const float 
 
 /* Whether a position's row of all KV heads is past ROW_BYTES_GROUPED. */
 INLINE int long_rows(int Hkv, int D, int kv_f16) {
-    return (size_t)Hkv * D * (kv_f16 ? 2 : 4) > ROW_BYTES_GROUPED;
+    return kv_bytes((size_t)Hkv * D, kv_f16) > ROW_BYTES_GROUPED;
 }
 
 /* Where position t of a context's page pg starts (its KV head 0). */
@@ -2463,8 +2498,8 @@ INLINE size_t kv_row(const int64_t *pages, int pg, int t, int Hkv, int D, int S)
 
 /* Ask for the D values at ``at`` (the row PF_ROWS positions ahead) to be brought into L1. */
 INLINE void kv_prefetch(const void *cache, size_t at, int D, int kv_f16) {
-    const char *p = kv_f16 ? (const char *)((const uint16_t *)cache + at) : (const char *)((const float *)cache + at);
-    const int bytes = D * (kv_f16 ? 2 : 4);
+    const char *p = (const char *)cache + kv_bytes(at, kv_f16);
+    const int bytes = (int)kv_bytes((size_t)D, kv_f16);
     for (int o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
 }
 
@@ -2580,10 +2615,12 @@ static void attend_heads(const float *q, const void *k_cache, const void *v_cach
     const float *qh = q + (size_t)h0 * D;
     float *oh = out + (size_t)h0 * D;
     const int kh = h0 / G;
-#define ATTEND_GROUP(RR) (kv_f16 ? attend_group(qh, k_cache, v_cache, pages, L, kh, Hkv, D, S, scale, \
-                                                RR, max_len, scores, oh, 1) \
+#define ATTEND_GROUP(RR) (kv_f16 == KV_Q8_0 ? attend_group(qh, k_cache, v_cache, pages, L, kh, Hkv, D, S, \
+                                                          scale, RR, max_len, scores, oh, KV_Q8_0) \
+                          : kv_f16 ? attend_group(qh, k_cache, v_cache, pages, L, kh, Hkv, D, S, scale, \
+                                                RR, max_len, scores, oh, KV_F16) \
                                    : attend_group(qh, k_cache, v_cache, pages, L, kh, Hkv, D, S, scale, \
-                                                RR, max_len, scores, oh, 0))
+                                                RR, max_len, scores, oh, KV_F32))
     switch (R) {
 #if GROUP_MAX >= 3
     case 3: ATTEND_GROUP(3); return;
@@ -2694,7 +2731,9 @@ static void decode_attention_omp(const float *q, int q_stride, const void *k_cac
             const float *qb = q + (size_t)b * q_stride;
             const int64_t *pages = page_table + (size_t)b * max_pages;
             float *ob = out + (size_t)b * Hq * D;
-            if (kv_f16)
+            if (kv_f16 == KV_Q8_0)
+                attend_seq(qb, k_cache, v_cache, pages, (int)seq_lens[b], Hq, Hkv, D, S, scale, max_len, scores, ob, KV_Q8_0);
+            else if (kv_f16)
                 attend_seq(qb, k_cache, v_cache, pages, (int)seq_lens[b], Hq, Hkv, D, S, scale, max_len, scores, ob, 1);
             else
                 attend_seq(qb, k_cache, v_cache, pages, (int)seq_lens[b], Hq, Hkv, D, S, scale, max_len, scores, ob, 0);
@@ -2782,7 +2821,9 @@ int tri_extend_attention(const float *q, int q_stride, const void *k_cache, cons
             const int64_t *pages = page_table + (size_t)b * max_pages;
             float *ot = out + (size_t)t * Hq * D;
             if (whole) {
-                if (kv_f16)
+                if (kv_f16 == KV_Q8_0)
+                    attend_seq(qt, k_cache, v_cache, pages, L, Hq, Hkv, D, S, scale, max_len, mine, ot, KV_Q8_0);
+                else if (kv_f16)
                     attend_seq(qt, k_cache, v_cache, pages, L, Hq, Hkv, D, S, scale, max_len, mine, ot, 1);
                 else
                     attend_seq(qt, k_cache, v_cache, pages, L, Hq, Hkv, D, S, scale, max_len, mine, ot, 0);
@@ -2816,7 +2857,7 @@ typedef struct {
 
 typedef struct {
     int num_layers, H, Hq, Hkv, D, I, page_size;
-    int kv_f16;               /* the KV cache's values are fp16 (else fp32) */
+    int kv_f16;               /* the KV cache's kind: KV_F32, KV_F16 or KV_Q8_0 */
     float eps, scale;
     int embed_fmt;            /* a block format (with FMT_X8 or FMT_X16 in that layout), or 0: fp32 rows */
     const uint8_t *embed;

@@ -174,7 +174,8 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
         phases["commit"].append(t3 - t2)
         phases["step"].append(t3 - t0)
     model = engine.model
-    elem = ITEMSIZE[engine.kv_cache.dtype]  # the KV cache's own dtype (fp16 on the CPU)
+    # bytes a value of the KV cache's own dtype takes (fp16 on the CPU; q8_0: 34 per 32)
+    elem = 34 / 32 if engine.kv_cache.dtype == "q8_0" else ITEMSIZE[engine.kv_cache.dtype]
     del engine
 
     foot = model_footprint(model)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trio_infer.engine.forward_batch import ForwardBatch
-from trio_infer.engine.kv_cache import KVCache, OutOfPages, PagePool, resolve_kv_dtype
+from trio_infer.engine.kv_cache import KVCache, OutOfPages, PagePool, check_kv_dtype, resolve_kv_dtype
 from trio_infer.engine.model_runner import host_logits
 from trio_infer.engine.sampler import argmax_ids
 from trio_infer.engine.sequence import Sequence
@@ -76,6 +76,7 @@ class DraftModel:
         self.page_size = page_size
         self.device = device
         dtype = resolve_kv_dtype(kv_cache_dtype, info.dtype, device)
+        check_kv_dtype(model, dtype)
         self.pool = PagePool(num_pages)
         self.kv_cache = KVCache(info.num_layers, num_pages, page_size, info.num_kv_heads,
                                 info.head_dim, dtype, device)

@@ -40,7 +40,7 @@ from trio_infer.engine.config import EngineConfig
 from trio_infer.engine.draft import DraftModel, DraftWork, draft_work, fill_drafts
 from trio_infer.engine.forward_batch import ForwardBatch
 from trio_infer.engine.grammar import Grammars, TokenMasks
-from trio_infer.engine.kv_cache import KVCache, PagePool, resolve_kv_dtype
+from trio_infer.engine.kv_cache import KVCache, PagePool, check_kv_dtype, resolve_kv_dtype
 from trio_infer.engine.model_runner import ModelRunner, PromptRows
 from trio_infer.engine.prefix_cache import PrefixCache
 from trio_infer.engine.sampler import SampleResult
@@ -82,6 +82,7 @@ class Engine:
         self.config = config
         self.device = str(device)
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, info.dtype, self.device)
+        check_kv_dtype(model, kv_dtype)
         num_pages = config.num_pages or max(
             1,
             config.kv_cache_bytes

@@ -86,18 +86,27 @@ class KVCache:
         dtype: str,
         device: str = "cpu",
     ) -> None:
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        if dtype == "q8_0":  # each head's row as blocks of 32 values: [.., head_dim / 32 * 34] bytes
+            if device != "cpu" or head_dim % 32:
+                raise ValueError("a q8_0 KV cache is read by the CPU kernels only, for heads of a "
+                                 f"multiple of 32 values (here {head_dim}, on {device})")
+            shape = (num_pages, page_size, num_kv_heads, head_dim // 32 * Q8_0_BLOCK_BYTES)
+            storage = "uint8"
+        else:
+            shape, storage = (num_pages, page_size, num_kv_heads, head_dim), dtype
         self.page_size = page_size
         self.num_pages = num_pages
         self.dtype = dtype
-        self.k: list[Any] = [zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v: list[Any] = [zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.k: list[Any] = [zeros(shape, storage, device) for _ in range(num_layers)]
+        self.v: list[Any] = [zeros(shape, storage, device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_page(
         num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: str
     ) -> int:
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * ITEMSIZE[dtype]
+        row = (head_dim // 32 * Q8_0_BLOCK_BYTES if dtype == "q8_0"
+               else head_dim * ITEMSIZE[dtype])
+        return 2 * num_layers * page_size * num_kv_heads * row
 
 
 # The KV pool's arrays start at this byte alignment (torch's own CPU allocator's), whatever the
@@ -105,7 +114,10 @@ class KVCache:
 _ALIGNMENT = 64
 
 # Bytes of one element of each KV dtype the engine takes.
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1}
+# A q8_0 cache (the CPU kernels'): ggml's block_q8_0, an fp16 scale and 32 int8 codes, in place
+# of every 32 values of a head's row (8.5 bits a value, against 16 for float16).
+Q8_0_BLOCK_BYTES = 34
 
 
 def zeros(shape: tuple[int, ...], dtype: str, device: str = "cpu") -> Any:
@@ -127,7 +139,7 @@ def zeros(shape: tuple[int, ...], dtype: str, device: str = "cpu") -> Any:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-KV_CACHE_DTYPES = ("float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", "q8_0")
 
 
 def resolve_kv_dtype(name: str, model_dtype: str, device: str) -> str:
@@ -139,3 +151,12 @@ def resolve_kv_dtype(name: str, model_dtype: str, device: str) -> str:
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype {name!r}: expected auto, {', '.join(KV_CACHE_DTYPES)}")
     return name
+
+
+def check_kv_dtype(model: Any, dtype: str) -> None:
+    """ValueError (at startup) if ``model`` cannot read a KV cache of ``dtype``: a q8_0 cache is
+    read by the CPU kernels' model only (``model.reads_q8_0_kv``)."""
+    if dtype == "q8_0" and not getattr(model, "reads_q8_0_kv", False):
+        raise ValueError(f"kv_cache_dtype q8_0 is read by the CPU kernels' model only (a GGUF "
+                         f"file on the CPU); {model.info.name} is served by "
+                         f"{type(model).__name__}: use float16 or float32")

@@ -74,6 +74,7 @@ class CpuLlama:
         # Pure decode steps run as one C call, built on first use per page size and KV dtype;
         # False turns it off (tests compare both paths; the bench's one-worker system).
         self.fused_decode = True
+        self.reads_q8_0_kv = True  # the C kernels write and read a q8_0 KV cache in place
         self._decode_steps: dict[tuple[int, str], DecodeStep] = {}
         self._step_bytes = weights.lm_head.nbytes + sum(
             lin[0].nbytes for layer in weights.layers
