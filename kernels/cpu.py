@@ -457,19 +457,23 @@ def _fmt_code(w: PackedWeight) -> int:
     return FORMATS[w.fmt] | _LAYOUT_FLAGS[w.layout]
 
 
-# The KV cache kinds the C kernels read and write (cpu_kernels.c: KV_F32, KV_F16, KV_Q8_0). A
-# q8_0 cache is a uint8 array [pages, page_size, Hkv, D / 32 * 34]: ggml's block_q8_0 (an fp16
-# scale, 32 int8 codes) in place of every 32 values of a head's row.
-KV_KINDS = {"float32": 0, "float16": 1, "q8_0": 2}
-Q8_0_BLOCK_BYTES = 34
+# The KV cache kinds the C kernels read and write (cpu_kernels.c: KV_F32, KV_F16, KV_Q8_0,
+# KV_Q4_0). A quantized cache is a uint8 array [pages, page_size, Hkv, head_dim / 32 * block
+# bytes]: ggml's block_q8_0 (an fp16 scale, 32 int8 codes: 34 bytes) or block_q4_0 (an fp16
+# scale, 16 bytes of nibbles: 18) in place of every 32 values of a head's row; which one, its
+# row's length says.
+KV_KINDS = {"float32": 0, "float16": 1, "q8_0": 2, "q4_0": 3}
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+Q8_0_BLOCK_BYTES = BLOCK_BYTES["q8_0"]
 
 
-def _kv_kind(kind: Any) -> int:
-    """The C kernels' code of a KV cache's kind: ``kind`` is a numpy dtype (or scalar type), a
-    torch dtype, "float32"/"float16"/"q8_0", or a cache (numpy array or torch tensor) whose
-    dtype says it (uint8: q8_0). ValueError for any other."""
-    if isinstance(kind, np.ndarray) or hasattr(kind, "data_ptr"):  # a cache: its dtype
-        kind = kind.dtype
+def kv_kind_name(kind: Any, head_dim: int | None = None) -> str:
+    """The name of a KV cache's kind: ``kind`` is a numpy dtype (or scalar type), a torch dtype,
+    one of :data:`KV_KINDS`' names, or a cache (numpy array or torch tensor); a uint8 cache is
+    q8_0 or q4_0 by the length of its rows of ``head_dim`` values. ValueError for any other."""
+    cache = kind if isinstance(kind, np.ndarray) or hasattr(kind, "data_ptr") else None
+    if cache is not None:
+        kind = cache.dtype
     if isinstance(kind, str):
         name = kind
     elif str(kind) in ("torch.float32", "torch.float16", "torch.uint8"):  # torch not imported
@@ -479,28 +483,39 @@ def _kv_kind(kind: Any) -> int:
             name = np.dtype(kind).name if kind is not None else None
         except (TypeError, ValueError):
             name = None
-    name = "q8_0" if name == "uint8" else name
+    if name == "uint8":
+        row = int(cache.shape[-1]) if cache is not None else None
+        name = next((n for n, size in BLOCK_BYTES.items()
+                     if head_dim is not None and row == head_dim // 32 * size), None)
+        if name is None:
+            raise ValueError(f"a uint8 KV cache of rows of {row} bytes is neither q8_0 nor q4_0 "
+                             f"for heads of {head_dim}")
     if name in KV_KINDS:
-        return KV_KINDS[name]
-    raise ValueError(f"the C kernels read an fp32, fp16 or q8_0 KV cache, not {kind}")
+        return name
+    raise ValueError(f"the C kernels read an fp32, fp16, q8_0 or q4_0 KV cache, not {kind}")
+
+
+def _kv_kind(kind: Any, head_dim: int | None = None) -> int:
+    """The C kernels' code of a KV cache's kind (:func:`kv_kind_name`)."""
+    return KV_KINDS[kv_kind_name(kind, head_dim)]
 
 
 def _kv_is_f16(kind: Any) -> bool:
-    """Whether a KV cache's kind (as :func:`_kv_kind` reads it) is fp16."""
+    """Whether a KV cache's kind (as :func:`kv_kind_name` reads it) is fp16."""
     return _kv_kind(kind) == KV_KINDS["float16"]
 
 
-def _kv_f16(cache: Array) -> int:
+def _kv_f16(cache: Array, head_dim: int) -> int:
     """The kind code the C entry points take (their argument is named kv_f16)."""
-    return _kv_kind(cache)
+    return _kv_kind(cache, head_dim)
 
 
 def kv_row_bytes(kind: str, head_dim: int) -> int:
     """Bytes of one head's row of ``head_dim`` values in a cache of ``kind``."""
-    if kind == "q8_0":
+    if kind in BLOCK_BYTES:
         if head_dim % 32:
-            raise ValueError(f"a q8_0 KV cache takes heads of a multiple of 32 values, not {head_dim}")
-        return head_dim // 32 * Q8_0_BLOCK_BYTES
+            raise ValueError(f"a {kind} KV cache takes heads of a multiple of 32 values, not {head_dim}")
+        return head_dim // 32 * BLOCK_BYTES[kind]
     return head_dim * {"float32": 4, "float16": 2}[kind]
 
 
@@ -625,13 +640,13 @@ class CpuKernels:
     def rope_store(self, q: Array, k: Array, v: Array, positions: Array, slots: Array,
                    cos_sin: Array, k_cache: Array, v_cache: Array) -> None:
         """In place: rotary on q [T, Hq, D] and k [T, Hkv, D]; then k, v into their slots of an
-        fp32, fp16 or q8_0 cache."""
+        fp32, fp16, q8_0 or q4_0 cache."""
         t, hq, d = q.shape
         hkv = k.shape[1]
         self._lib.tri_rope_store(_ptr(q), _row_stride(q), _ptr(k), _row_stride(k),
                                  _ptr(v), _row_stride(v), _ptr(positions),
                                  _ptr(slots), t, hq, hkv, d, _ptr(cos_sin),
-                                 _ptr(k_cache), _ptr(v_cache), _kv_f16(k_cache))
+                                 _ptr(k_cache), _ptr(v_cache), _kv_f16(k_cache, d))
 
     def extend_attention(self, q: Array, k_cache: Array, v_cache: Array, page_table: Array,
                          query_start_loc: Array, seq_lens: Array, scale: float, max_len: int,
@@ -646,7 +661,7 @@ class CpuKernels:
             _ptr(q), _row_stride(q), _ptr(k_cache), _ptr(v_cache),
             _ptr(page_table), _row_stride(page_table), _ptr(query_start_loc),
             _ptr(seq_lens), seq_lens.shape[0], hq, hkv, d, page_size, scale, _ptr(out),
-            max_len, threads, _kv_f16(k_cache))
+            max_len, threads, _kv_f16(k_cache, d))
         if rc == -2:
             raise MemoryError("tri_extend_attention could not allocate its scratch")
         if rc != 0:
@@ -669,7 +684,7 @@ class CpuKernels:
         rc = self._lib.tri_decode_attention(
             _ptr(q), _row_stride(q), _ptr(k_cache), _ptr(v_cache),
             _ptr(page_table), _row_stride(page_table), _ptr(seq_lens), b, hq, hkv, d,
-            page_size, scale, _ptr(out), max_len, threads, _kv_f16(k_cache))
+            page_size, scale, _ptr(out), max_len, threads, _kv_f16(k_cache, d))
         if rc == -2:
             raise MemoryError("tri_decode_attention could not allocate its scratch")
         if rc != 0:
@@ -751,6 +766,7 @@ class DecodeStep:
             embed_fmt, embed, row = 0, w.embed, _row_stride(w.embed) * 4
         self.kv_dtype = kv_dtype
         self._kv_f16 = kv_f16
+        self._head_dim = w.head_dim
         self._model = _Model(len(w.layers), hidden, w.num_heads, w.num_kv_heads, w.head_dim, inter,
                              page_size, int(kv_f16), w.eps, w.head_dim**-0.5,
                              embed_fmt, _ptr(embed), row, embed.shape[0], _ptr(w.final_norm),
@@ -774,7 +790,7 @@ class DecodeStep:
         """int64 contiguous ids, positions, slots, seq_lens [B] and page_table [B, pages] (rows
         contiguous); caches [pages, page_size, Hkv, D] per layer, of this step's KV dtype ->
         logits [B, vocab] of the kind of ``ids``."""
-        if _kv_kind(k_caches[0]) != self._kv_f16:
+        if _kv_kind(k_caches[0], self._head_dim) != self._kv_f16:
             raise ValueError(f"a {self.kv_dtype} step given a {k_caches[0].dtype} KV cache")
         b = ids.shape[0]
         logits = _empty(ids, b, self.vocab_size)

@@ -2375,17 +2375,30 @@ void tri_silu_and_mul(const float *x, int M, int I, float *y, int nthreads) {
     silu_and_mul_omp(x, M, I, y);
 }
 
-/* The KV cache holds fp32, fp16 or q8_0 values: ``kv_f16`` is the kind (KV_F32, KV_F16,
- * KV_Q8_0; the name is the ABI's). A q8_0 cache is ggml's block_q8_0 in place of every 32
+/* The KV cache holds fp32, fp16, q8_0 or q4_0 values: ``kv_f16`` is the kind (KV_F32, KV_F16,
+ * KV_Q8_0, KV_Q4_0; the name is the ABI's). A q8_0 cache is ggml's block_q8_0 in place of every 32
  * values of a head's row (an fp16 scale d, then 32 int8 codes q: value = d * q), so an element
- * index ``at`` (a multiple of 8 here) is byte (at / 32) * 34 + 2 + at % 32 of the cache. These
+ * index ``at`` (a multiple of 8 here) is byte (at / 32) * 34 + 2 + at % 32 of the cache; a q4_0
+ * one ggml's block_q4_0 (an fp16 scale, 16 bytes of nibbles: value = d * (nibble - 8)). These
  * read and write 8 of them at a time. */
 #define KV_F32 0
 #define KV_F16 1
 #define KV_Q8_0 2
+#define KV_Q4_0 3
 #define Q8_0_BYTES 34
+#define Q4_0_BYTES 18
 
 INLINE __m256 kv_load(const void *cache, size_t at, int kv_f16) {
+    if (kv_f16 == KV_Q4_0) {  /* qs[j]: value j in the low nibble, value j + 16 in the high one */
+        const uint8_t *block = (const uint8_t *)cache + (at >> 5) * Q4_0_BYTES;
+        uint16_t d;
+        memcpy(&d, block, 2);
+        const int off = (int)(at & 31);
+        __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 2 + (off & 15))));
+        w = off >= 16 ? _mm256_srli_epi32(w, 4) : _mm256_and_si256(w, _mm256_set1_epi32(15));
+        w = _mm256_sub_epi32(w, _mm256_set1_epi32(8));
+        return _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d)), _mm256_cvtepi32_ps(w));
+    }
     if (kv_f16 == KV_Q8_0) {
         const uint8_t *block = (const uint8_t *)cache + (at >> 5) * Q8_0_BYTES;
         uint16_t d;
@@ -2400,6 +2413,22 @@ INLINE __m256 kv_load(const void *cache, size_t at, int kv_f16) {
 /* n values (a multiple of 32 for q8_0) at element index ``at`` (one of 32 for q8_0). q8_0 as
  * ggml's quantize_row_q8_0_ref: d = max |x| / 127, q = round(x / d), d kept as fp16. */
 static void kv_store(void *cache, size_t at, const float *x, int n, int kv_f16) {
+    if (kv_f16 == KV_Q4_0) {  /* ggml's quantize_row_q4_0_ref: d = (the value of max |x|) / -8 */
+        uint8_t *block = (uint8_t *)cache + (at >> 5) * Q4_0_BYTES;
+        for (int b = 0; b < n; b += 32, block += Q4_0_BYTES) {
+            float amax = 0.0f, max = 0.0f;
+            for (int j = 0; j < 32; j++)
+                if (amax < fabsf(x[b + j])) { amax = fabsf(x[b + j]); max = x[b + j]; }
+            const float d = max / -8.0f, id = d ? 1.0f / d : 0.0f;
+            const uint16_t dh = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            memcpy(block, &dh, 2);
+            for (int j = 0; j < 16; j++) {
+                const int8_t lo = (int8_t)(x[b + j] * id + 8.5f), hi = (int8_t)(x[b + 16 + j] * id + 8.5f);
+                block[2 + j] = (uint8_t)((lo < 15 ? lo : 15) | ((hi < 15 ? hi : 15) << 4));
+            }
+        }
+        return;
+    }
     if (kv_f16 == KV_Q8_0) {
         uint8_t *block = (uint8_t *)cache + (at >> 5) * Q8_0_BYTES;
         for (int b = 0; b < n; b += 32, block += Q8_0_BYTES) {
@@ -2426,7 +2455,9 @@ static void kv_store(void *cache, size_t at, const float *x, int n, int kv_f16) 
 
 /* Bytes of n cache values of kind kv_f16 (n a multiple of 32 for q8_0; else rounded up). */
 INLINE size_t kv_bytes(size_t n, int kv_f16) {
-    return kv_f16 == KV_Q8_0 ? (n + 31) / 32 * Q8_0_BYTES : n * (kv_f16 ? 2 : 4);
+    if (kv_f16 == KV_Q8_0) return (n + 31) / 32 * Q8_0_BYTES;
+    if (kv_f16 == KV_Q4_0) return (n + 31) / 32 * Q4_0_BYTES;
+    return n * (kv_f16 ? 2 : 4);
 }
 
 /* Neox rotary embedding in place on q [T, Hq, D] and k [T, Hkv, D] (rows ``q_stride`` and
@@ -2615,7 +2646,9 @@ static void attend_heads(const float *q, const void *k_cache, const void *v_cach
     const float *qh = q + (size_t)h0 * D;
     float *oh = out + (size_t)h0 * D;
     const int kh = h0 / G;
-#define ATTEND_GROUP(RR) (kv_f16 == KV_Q8_0 ? attend_group(qh, k_cache, v_cache, pages, L, kh, Hkv, D, S, \
+#define ATTEND_GROUP(RR) (kv_f16 == KV_Q4_0 ? attend_group(qh, k_cache, v_cache, pages, L, kh, Hkv, D, S, \
+                                                          scale, RR, max_len, scores, oh, KV_Q4_0) \
+                          : kv_f16 == KV_Q8_0 ? attend_group(qh, k_cache, v_cache, pages, L, kh, Hkv, D, S, \
                                                           scale, RR, max_len, scores, oh, KV_Q8_0) \
                           : kv_f16 ? attend_group(qh, k_cache, v_cache, pages, L, kh, Hkv, D, S, scale, \
                                                 RR, max_len, scores, oh, KV_F16) \
@@ -2731,7 +2764,9 @@ static void decode_attention_omp(const float *q, int q_stride, const void *k_cac
             const float *qb = q + (size_t)b * q_stride;
             const int64_t *pages = page_table + (size_t)b * max_pages;
             float *ob = out + (size_t)b * Hq * D;
-            if (kv_f16 == KV_Q8_0)
+            if (kv_f16 == KV_Q4_0)
+                attend_seq(qb, k_cache, v_cache, pages, (int)seq_lens[b], Hq, Hkv, D, S, scale, max_len, scores, ob, KV_Q4_0);
+            else if (kv_f16 == KV_Q8_0)
                 attend_seq(qb, k_cache, v_cache, pages, (int)seq_lens[b], Hq, Hkv, D, S, scale, max_len, scores, ob, KV_Q8_0);
             else if (kv_f16)
                 attend_seq(qb, k_cache, v_cache, pages, (int)seq_lens[b], Hq, Hkv, D, S, scale, max_len, scores, ob, 1);
@@ -2821,7 +2856,9 @@ int tri_extend_attention(const float *q, int q_stride, const void *k_cache, cons
             const int64_t *pages = page_table + (size_t)b * max_pages;
             float *ot = out + (size_t)t * Hq * D;
             if (whole) {
-                if (kv_f16 == KV_Q8_0)
+                if (kv_f16 == KV_Q4_0)
+                    attend_seq(qt, k_cache, v_cache, pages, L, Hq, Hkv, D, S, scale, max_len, mine, ot, KV_Q4_0);
+                else if (kv_f16 == KV_Q8_0)
                     attend_seq(qt, k_cache, v_cache, pages, L, Hq, Hkv, D, S, scale, max_len, mine, ot, KV_Q8_0);
                 else if (kv_f16)
                     attend_seq(qt, k_cache, v_cache, pages, L, Hq, Hkv, D, S, scale, max_len, mine, ot, 1);
@@ -2857,7 +2894,7 @@ typedef struct {
 
 typedef struct {
     int num_layers, H, Hq, Hkv, D, I, page_size;
-    int kv_f16;               /* the KV cache's kind: KV_F32, KV_F16 or KV_Q8_0 */
+    int kv_f16;               /* the KV cache's kind: KV_F32, KV_F16, KV_Q8_0 or KV_Q4_0 */
     float eps, scale;
     int embed_fmt;            /* a block format (with FMT_X8 or FMT_X16 in that layout), or 0: fp32 rows */
     const uint8_t *embed;

@@ -120,9 +120,9 @@ def kv_caches(model: Any, num_pages: int, page_size: int = 16, kv_dtype: str | N
     info = model.info
     shape = (num_pages, page_size, info.num_kv_heads, info.head_dim)
     dtype = kv_dtype or info.dtype
-    if dtype == "q8_0":  # blocks of 32 values in each head's row: zeros (d = 0) only
+    if dtype in ("q8_0", "q4_0"):  # blocks of 32 values in each head's row: zeros (d = 0) only
         assert rng is None
-        shape, dtype = shape[:3] + (info.head_dim // 32 * 34,), "uint8"
+        shape, dtype = shape[:3] + (info.head_dim // 32 * cpu.BLOCK_BYTES[dtype],), "uint8"
 
     def one() -> np.ndarray:
         if rng is None:
@@ -988,24 +988,26 @@ def test_smollm2_q8_0_kv_cache_within_tolerance(smollm2: tuple[Any, Any]) -> Non
     assert same >= Q8_0_KV_TOLERANCE["greedy_prompts"], same
 
 
-def test_a_q8_0_kv_cache_is_refused_for_the_torch_model(tiny_checkpoint: Path) -> None:
+def test_a_quantized_kv_cache_is_refused_for_the_torch_model(tiny_checkpoint: Path) -> None:
     model = load_model(tiny_checkpoint)  # a Hugging Face folder: the torch model
-    with pytest.raises(ValueError, match="q8_0 is read by the CPU kernels' model only"):
-        Engine(model, EngineConfig(page_size=16, num_pages=8, kv_cache_dtype="q8_0"))
+    for kind in ("q8_0", "q4_0"):
+        with pytest.raises(ValueError, match=f"{kind} is read by the CPU kernels' model only"):
+            Engine(model, EngineConfig(page_size=16, num_pages=8, kv_cache_dtype=kind))
 
 
-def test_the_one_call_decode_step_reads_a_q8_0_cache_as_the_layer_by_layer_path(
+def test_the_one_call_decode_step_reads_a_quantized_cache_as_the_layer_by_layer_path(
         tiny_checkpoint_factory: CheckpointFactory, tmp_path: Path) -> None:
-    """With a q8_0 KV cache (heads of 32: whole blocks) the one-call decode step and the
-    layer-by-layer kernels give the same greedy ids (both read the cache through kv_load)."""
+    """With a q8_0 or q4_0 KV cache (heads of 32: whole blocks) the one-call decode step and
+    the layer-by-layer kernels give the same greedy ids (both read the cache through kv_load)."""
     checkpoint = tiny_checkpoint_factory("Qwen3ForCausalLM", head_dim=32)
     model = load_model(write_gguf(checkpoint, tmp_path / "heads32.gguf", "Q8_0"))
     if not hasattr(model, "fused_decode"):
         pytest.skip("the CPU kernels' model does not serve here")
     prompts = [[5, 6, 7, 8], list(range(30, 70)), [9]]
-    fused = run_greedy(model, prompts, 12, kv_cache_dtype="q8_0")
-    model.fused_decode = False
-    try:
-        assert run_greedy(model, prompts, 12, kv_cache_dtype="q8_0") == fused
-    finally:
-        model.fused_decode = True
+    for kind in ("q8_0", "q4_0"):
+        fused = run_greedy(model, prompts, 12, kv_cache_dtype=kind)
+        model.fused_decode = False
+        try:
+            assert run_greedy(model, prompts, 12, kv_cache_dtype=kind) == fused
+        finally:
+            model.fused_decode = True

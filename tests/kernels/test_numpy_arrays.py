@@ -188,10 +188,11 @@ def test_kv_dtypes() -> None:
                 np.zeros(1, np.float32), torch.zeros(1)):
         assert cpu._kv_is_f16(f32) is False
     for other in (np.float64, torch.bfloat16, "bfloat16", "half", None, np.zeros(1, np.int64)):
-        with pytest.raises(ValueError, match="fp32, fp16 or q8_0 KV cache"):
+        with pytest.raises(ValueError, match="fp32, fp16, q8_0 or q4_0 KV cache"):
             cpu._kv_is_f16(other)
-    for q8 in ("q8_0", np.uint8, np.zeros(1, np.uint8), torch.zeros(1, dtype=torch.uint8)):
-        assert cpu._kv_kind(q8) == cpu.KV_KINDS["q8_0"]
+    for q8 in ("q8_0", np.zeros((1, 34), np.uint8), torch.zeros((1, 34), dtype=torch.uint8)):
+        assert cpu._kv_kind(q8, 32) == cpu.KV_KINDS["q8_0"]
+    assert cpu._kv_kind("q4_0") == cpu.KV_KINDS["q4_0"]
 
 
 # -- the whole decode step --------------------------------------------------------------------------
@@ -269,7 +270,7 @@ def test_decode_step(packed_embed: bool, kv: str) -> None:
     other = [c.astype(np.float32 if kv == "float16" else np.float16) for c in caches]
     with pytest.raises(ValueError, match="KV cache"):
         step(ids, positions, slots, table, seq_lens, 20, other[:LAYERS], other[LAYERS:], 2)
-    with pytest.raises(ValueError, match="fp32, fp16 or q8_0"):
+    with pytest.raises(ValueError, match="fp32, fp16, q8_0 or q4_0"):
         kernels.decode_step(w, PAGE, np.float64)
 
 

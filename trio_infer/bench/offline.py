@@ -117,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--kv-cache-mb", type=int, default=None,
                      help="default: enough for the whole workload at once (at least 256)")
     eng.add_argument("--kv-cache-dtype", default="auto",
-                     choices=("auto", "float32", "float16", "bfloat16", "q8_0"),
+                     choices=("auto", "float32", "float16", "bfloat16", "q8_0", "q4_0"),
                      help="the engine's KV cache dtype (auto: float16 on the CPU, as the server)")
     eng.add_argument("--no-prefix-cache", action="store_true",
                      help="run our engine with EngineConfig(enable_prefix_cache=False)")

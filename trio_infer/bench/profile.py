@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from trio_infer.bench import baselines, llamacpp, stats
-from trio_infer.engine.kv_cache import ITEMSIZE
+from trio_infer.engine.kv_cache import BLOCK_BYTES, ITEMSIZE
 from trio_infer.bench.engine_setup import (
     build_engine,
     model_config,
@@ -175,7 +175,8 @@ def run_profile(path: Path, args: argparse.Namespace, threads: int) -> int:
         phases["step"].append(t3 - t0)
     model = engine.model
     # bytes a value of the KV cache's own dtype takes (fp16 on the CPU; q8_0: 34 per 32)
-    elem = 34 / 32 if engine.kv_cache.dtype == "q8_0" else ITEMSIZE[engine.kv_cache.dtype]
+    dtype = engine.kv_cache.dtype
+    elem = BLOCK_BYTES[dtype] / 32 if dtype in BLOCK_BYTES else ITEMSIZE[dtype]
     del engine
 
     foot = model_footprint(model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-KVCacheDType = Literal["auto", "float32", "float16", "bfloat16", "q8_0"]
+KVCacheDType = Literal["auto", "float32", "float16", "bfloat16", "q8_0", "q4_0"]
 SpeculativeMethod = Literal["off", "ngram", "draft"]
 
 

@@ -86,11 +86,11 @@ class KVCache:
         dtype: str,
         device: str = "cpu",
     ) -> None:
-        if dtype == "q8_0":  # each head's row as blocks of 32 values: [.., head_dim / 32 * 34] bytes
+        if dtype in BLOCK_BYTES:  # each head's row as blocks of 32 values, as bytes
             if device != "cpu" or head_dim % 32:
-                raise ValueError("a q8_0 KV cache is read by the CPU kernels only, for heads of a "
-                                 f"multiple of 32 values (here {head_dim}, on {device})")
-            shape = (num_pages, page_size, num_kv_heads, head_dim // 32 * Q8_0_BLOCK_BYTES)
+                raise ValueError(f"a {dtype} KV cache is read by the CPU kernels only, for heads "
+                                 f"of a multiple of 32 values (here {head_dim}, on {device})")
+            shape = (num_pages, page_size, num_kv_heads, head_dim // 32 * BLOCK_BYTES[dtype])
             storage = "uint8"
         else:
             shape, storage = (num_pages, page_size, num_kv_heads, head_dim), dtype
@@ -104,7 +104,7 @@ class KVCache:
     def bytes_per_page(
         num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: str
     ) -> int:
-        row = (head_dim // 32 * Q8_0_BLOCK_BYTES if dtype == "q8_0"
+        row = (head_dim // 32 * BLOCK_BYTES[dtype] if dtype in BLOCK_BYTES
                else head_dim * ITEMSIZE[dtype])
         return 2 * num_layers * page_size * num_kv_heads * row
 
@@ -115,9 +115,10 @@ _ALIGNMENT = 64
 
 # Bytes of one element of each KV dtype the engine takes.
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1}
-# A q8_0 cache (the CPU kernels'): ggml's block_q8_0, an fp16 scale and 32 int8 codes, in place
-# of every 32 values of a head's row (8.5 bits a value, against 16 for float16).
-Q8_0_BLOCK_BYTES = 34
+# The quantized caches (the CPU kernels'): ggml's block_q8_0 (an fp16 scale and 32 int8 codes:
+# 8.5 bits a value, against 16 for float16) or block_q4_0 (an fp16 scale and 32 nibbles: 4.5
+# bits) in place of every 32 values of a head's row; bytes a block.
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
 
 
 def zeros(shape: tuple[int, ...], dtype: str, device: str = "cpu") -> Any:
@@ -139,7 +140,7 @@ def zeros(shape: tuple[int, ...], dtype: str, device: str = "cpu") -> Any:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", "q8_0")
+KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0")
 
 
 def resolve_kv_dtype(name: str, model_dtype: str, device: str) -> str:
@@ -154,9 +155,9 @@ def resolve_kv_dtype(name: str, model_dtype: str, device: str) -> str:
 
 
 def check_kv_dtype(model: Any, dtype: str) -> None:
-    """ValueError (at startup) if ``model`` cannot read a KV cache of ``dtype``: a q8_0 cache is
-    read by the CPU kernels' model only (``model.reads_q8_0_kv``)."""
-    if dtype == "q8_0" and not getattr(model, "reads_q8_0_kv", False):
-        raise ValueError(f"kv_cache_dtype q8_0 is read by the CPU kernels' model only (a GGUF "
+    """ValueError (at startup) if ``model`` cannot read a KV cache of ``dtype``: a q8_0 or q4_0
+    cache is read by the CPU kernels' model only (``model.reads_quantized_kv``)."""
+    if dtype in BLOCK_BYTES and not getattr(model, "reads_quantized_kv", False):
+        raise ValueError(f"kv_cache_dtype {dtype} is read by the CPU kernels' model only (a GGUF "
                          f"file on the CPU); {model.info.name} is served by "
                          f"{type(model).__name__}: use float16 or float32")

@@ -34,6 +34,7 @@ from trio_infer_kernels.cpu import (
     Packed,
     PackedParts,
     PackedWeight,
+    kv_kind_name,
     waits_sleep_at_once,
 )
 from trio_infer.engine.forward_batch import ForwardBatch
@@ -74,7 +75,7 @@ class CpuLlama:
         # Pure decode steps run as one C call, built on first use per page size and KV dtype;
         # False turns it off (tests compare both paths; the bench's one-worker system).
         self.fused_decode = True
-        self.reads_q8_0_kv = True  # the C kernels write and read a q8_0 KV cache in place
+        self.reads_quantized_kv = True  # the C kernels write and read q8_0 / q4_0 KV in place
         self._decode_steps: dict[tuple[int, str], DecodeStep] = {}
         self._step_bytes = weights.lm_head.nbytes + sum(
             lin[0].nbytes for layer in weights.layers
@@ -307,7 +308,7 @@ class CpuLlama:
                 and batch.page_table.strides[1] == batch.page_table.itemsize
                 and k_cache.flags.c_contiguous):
             return None
-        key = (int(k_cache.shape[1]), str(k_cache.dtype))
+        key = (int(k_cache.shape[1]), kv_kind_name(k_cache, self.spec.head_dim))
         step = self._decode_steps.get(key)
         if step is None:
             step = self._decode_steps[key] = self._kernels.decode_step(self._weights, *key)
