@@ -988,6 +988,26 @@ def test_smollm2_q8_0_kv_cache_within_tolerance(smollm2: tuple[Any, Any]) -> Non
     assert same >= Q8_0_KV_TOLERANCE["greedy_prompts"], same
 
 
+# q4_0 KV (4.5 bits a value) is lossy on a model this small: measured on the default model,
+# perplexity +52% (136.9 against 90.3 with fp16), the same most likely next token at 70% of the
+# positions. The bound guards against a broken cache (which gives noise: perplexity in the
+# thousands), not for quality: docs/kernels.md says to prefer q8_0.
+Q4_0_KV_TOLERANCE = {"ppl": 0.60, "agree": 0.65}
+
+
+@needs_smollm2
+def test_smollm2_q4_0_kv_cache_within_its_looser_tolerance(smollm2: tuple[Any, Any]) -> None:
+    model, tokenizer = smollm2
+    if cpu.load() is None:
+        pytest.skip("the CPU kernels do not build here")
+    ids = tokenizer.encode(TOLERANCE_TEXT)[:128]
+    half = teacher_forced(model, ids, kv_dtype="float16")
+    q4 = teacher_forced(model, ids, kv_dtype="q4_0")
+    ppl_half, ppl_q4 = perplexity(half, ids), perplexity(q4, ids)
+    assert abs(ppl_q4 / ppl_half - 1) < Q4_0_KV_TOLERANCE["ppl"], (ppl_half, ppl_q4)
+    assert agreement(half, q4) >= Q4_0_KV_TOLERANCE["agree"]
+
+
 def test_a_quantized_kv_cache_is_refused_for_the_torch_model(tiny_checkpoint: Path) -> None:
     model = load_model(tiny_checkpoint)  # a Hugging Face folder: the torch model
     for kind in ("q8_0", "q4_0"):

@@ -60,8 +60,9 @@ class Settings(BaseSettings):
         _ENGINE.kv_cache_dtype,
         description="Dtype of the KV cache: 'auto' is float16 on the CPU (as llama.cpp; half "
         "the memory of float32, tolerance in docs/kernels.md) and the model's dtype on a GPU; "
-        "'q8_0' (the CPU kernels' model only, heads of a multiple of 32) is llama.cpp's q8_0 "
-        "cache: 8.5 bits a value, within a stated tolerance of float16.",
+        "'q8_0' and 'q4_0' (the CPU kernels' model only, heads of a multiple of 32) are "
+        "llama.cpp's quantized caches: 8.5 and 4.5 bits a value, K and V alike (q4_0 is lossy "
+        "on small models; tolerances in docs/kernels.md).",
     )
     max_running: int = Field(_ENGINE.max_running, description="Sequences decoded together at most.")
     max_batched_tokens: int = Field(
