@@ -8,8 +8,9 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Iterator, Literal
 
 import httpx
 import openai
@@ -70,9 +71,10 @@ def check_structured_output_and_tools(client: openai.OpenAI, model: str) -> None
     assert json.loads(call.function.arguments)["city"] == "Paris"
 
 
-@pytest.mark.skipif(not SMOLLM2.exists(), reason=f"{SMOLLM2} is absent (`make venv` fetches it)")
-def test_the_default_model_answers_paris_over_http(tmp_path: Path) -> None:
-    assert Settings().model is None  # no model configured: the default one is served
+@contextmanager
+def default_model_server() -> Iterator[str]:
+    """``serve`` with no model configured (the default one), on a free port: its URL, once
+    healthy; stopped at the end."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
@@ -86,6 +88,16 @@ def test_the_default_model_answers_paris_over_http(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.1)
         assert proc.poll() is None, proc.communicate()[0][-3000:]
+        yield url
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+
+
+@pytest.mark.skipif(not SMOLLM2.exists(), reason=f"{SMOLLM2} is absent (`make venv` fetches it)")
+def test_the_default_model_answers_paris_over_http(tmp_path: Path) -> None:
+    assert Settings().model is None  # no model configured: the default one is served
+    with default_model_server() as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         [model] = [m.id for m in client.models.list()]
         assert model == "smollm2-135m-instruct"
@@ -104,6 +116,3 @@ def test_the_default_model_answers_paris_over_http(tmp_path: Path) -> None:
         assert "".join(c.choices[0].delta.content or "" for c in stream) == choice.message.content
         check_structured_output_and_tools(client, model)
         assert httpx.get(url + "/health").status_code == 200
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=60)

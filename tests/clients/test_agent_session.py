@@ -5,34 +5,13 @@ it), through the official ``openai`` and ``anthropic`` clients: the Responses AP
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from trio_infer.models.default_model import default_cache_dir, default_model_file
-
-SMOLLM2 = default_model_file(default_cache_dir())
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _health(url: str) -> int:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code
-    except httpx.TransportError:
-        return 0
+from tests.test_default_model_http import SMOLLM2, default_model_server
 
 
 def check_agent_session(client: openai.OpenAI, url: str, model: str) -> None:
@@ -89,21 +68,6 @@ def check_agent_session(client: openai.OpenAI, url: str, model: str) -> None:
 
 @pytest.mark.skipif(not SMOLLM2.exists(), reason=f"{SMOLLM2} is absent (`make venv` fetches it)")
 def test_an_agents_session_on_the_default_model(tmp_path: Path) -> None:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trio_infer", "serve", "--port", str(port), "--torch-threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        deadline = time.monotonic() + 300  # a real process on the other side: real time
-        while _health(url) != 200 and proc.poll() is None:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.1)
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
+    with default_model_server() as url:
         with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
             check_agent_session(client, url, "smollm2-135m-instruct")
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=60)
