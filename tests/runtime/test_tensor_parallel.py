@@ -343,3 +343,66 @@ def test_a_follower_rank_killed_under_load_ends_the_group_and_it_serves_again(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_follower_rank_stopped_is_a_stall_seen_before_the_collective_timeout(
+        tiny_checkpoint, tmp_path) -> None:
+    """``serve --tensor-parallel 2`` under 8 streams, rank 1 stopped with SIGSTOP (alive, its
+    sockets open): rank 0 waits in a collective (whose timeout is 120 s) and no step ends, so the
+    front end's watchdog says so past its stall bound, long before; SIGCONT and the group goes on,
+    every stream ending with all its tokens."""
+    import httpx
+
+    from .test_worker_process import children, free_port, health, stream_events, wait_for
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trio_infer", "serve", "--model", str(tiny_checkpoint),
+         "--served-model-name", "tiny", "--port", str(port), "--cache-dir", str(tmp_path),
+         "--torch-threads", "2", "--tensor-parallel", "2", "--kv-cache-mb", "16",
+         "--watchdog-stall-s", "1.5", "--watchdog-restart-s", "100", "--shutdown-grace-s", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_for(lambda: health(url) == 200 or proc.poll() is not None, 180, "the group")
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        [worker] = children(proc.pid)
+        [rank1] = children(worker)
+        n = 8
+        body = {"model": "tiny", "prompt": "hello there", "max_tokens": 300, "ignore_eos": True,
+                "stream": True}
+        started = threading.Barrier(n + 1)
+        results: list = [None] * n
+
+        def run(i: int) -> None:
+            try:
+                results[i] = stream_events(url, body, started)
+            except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
+                results[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        started.wait(timeout=120)
+        os.kill(rank1, signal.SIGSTOP)
+        try:
+            took = wait_for(lambda: health(url) == 503, 60, "/health to say 503")
+            assert took < 30, f"the stall was seen after {took:.1f} s"
+            assert "no progress for" in httpx.get(url + "/v1/status").json()["problem"]
+        finally:
+            os.kill(rank1, signal.SIGCONT)
+        wait_for(lambda: health(url) == 200, 60, "/health to say 200 again")
+        for t in threads:
+            t.join(timeout=180)
+        for events in results:
+            assert isinstance(events, list), events
+            assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert children(proc.pid) == {worker} and children(worker) == {rank1}  # the same group
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, output[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
