@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -267,6 +266,24 @@ async def test_two_nodes_over_a_tcp_rendezvous_give_the_greedy_ids_of_one(
             node1.wait()
 
 
+def serve_two_ranks(checkpoint: Path, tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``serve --tensor-parallel 2`` on ``checkpoint`` (served as "tiny"), once healthy."""
+    from .test_worker_process import free_port, health, wait_for
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trio_infer", "serve", "--model", str(checkpoint),
+         "--served-model-name", "tiny", "--port", str(port), "--cache-dir", str(tmp_path),
+         "--torch-threads", "2", "--tensor-parallel", "2", "--kv-cache-mb", "16",
+         "--shutdown-grace-s", "1", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    wait_for(lambda: health(url) == 200 or proc.poll() is not None, 180, "the group")
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    return proc, url
+
+
 def test_a_follower_rank_killed_under_load_ends_the_group_and_it_serves_again(
         tiny_checkpoint, tmp_path) -> None:
     """``serve --tensor-parallel 2``: under 8 streams, ``kill -9`` of rank 1 (the worker's
@@ -275,41 +292,15 @@ def test_a_follower_rank_killed_under_load_ends_the_group_and_it_serves_again(
     the gauges are back to 0."""
     import httpx
 
-    from .test_worker_process import alive, children, free_port, health, stream_events, wait_for
+    from .test_worker_process import alive, children, health, start_streams, wait_for
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trio_infer", "serve", "--model", str(tiny_checkpoint),
-         "--served-model-name", "tiny", "--port", str(port), "--cache-dir", str(tmp_path),
-         "--torch-threads", "2", "--tensor-parallel", "2", "--kv-cache-mb", "16",
-         "--worker-restart-delay-s", "0.1", "--shutdown-grace-s", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, url = serve_two_ranks(tiny_checkpoint, tmp_path, "--worker-restart-delay-s", "0.1")
     try:
-        wait_for(lambda: health(url) == 200 or proc.poll() is not None, 180, "the group")
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
         [worker] = children(proc.pid)
         [rank1] = children(worker)
         status = httpx.get(url + "/v1/status").json()
         assert status["tensor_parallel"] == 2, status
-
-        n = 8
-        body = {"model": "tiny", "prompt": "hello there", "max_tokens": 2000, "ignore_eos": True,
-                "stream": True}
-        started = threading.Barrier(n + 1)
-        results: list = [None] * n
-
-        def run(i: int) -> None:
-            try:
-                results[i] = stream_events(url, body, started)
-            except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
-                results[i] = exc
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        started.wait(timeout=120)
+        results, threads = start_streams(url, 8, 2000, model="tiny", prompt="hello there")
         os.kill(rank1, signal.SIGKILL)
         for t in threads:
             t.join(timeout=180)
@@ -353,38 +344,14 @@ def test_a_follower_rank_stopped_is_a_stall_seen_before_the_collective_timeout(
     every stream ending with all its tokens."""
     import httpx
 
-    from .test_worker_process import children, free_port, health, stream_events, wait_for
+    from .test_worker_process import children, health, start_streams, wait_for
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trio_infer", "serve", "--model", str(tiny_checkpoint),
-         "--served-model-name", "tiny", "--port", str(port), "--cache-dir", str(tmp_path),
-         "--torch-threads", "2", "--tensor-parallel", "2", "--kv-cache-mb", "16",
-         "--watchdog-stall-s", "1.5", "--watchdog-restart-s", "100", "--shutdown-grace-s", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, url = serve_two_ranks(tiny_checkpoint, tmp_path, "--watchdog-stall-s", "1.5",
+                                "--watchdog-restart-s", "100")
     try:
-        wait_for(lambda: health(url) == 200 or proc.poll() is not None, 180, "the group")
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
         [worker] = children(proc.pid)
         [rank1] = children(worker)
-        n = 8
-        body = {"model": "tiny", "prompt": "hello there", "max_tokens": 300, "ignore_eos": True,
-                "stream": True}
-        started = threading.Barrier(n + 1)
-        results: list = [None] * n
-
-        def run(i: int) -> None:
-            try:
-                results[i] = stream_events(url, body, started)
-            except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
-                results[i] = exc
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        started.wait(timeout=120)
+        results, threads = start_streams(url, 8, 300, model="tiny", prompt="hello there")
         os.kill(rank1, signal.SIGSTOP)
         try:
             took = wait_for(lambda: health(url) == 503, 60, "/health to say 503")

@@ -189,9 +189,10 @@ def test_a_model_that_cannot_load_fails_the_start_with_its_error(tmp_path: Path)
 # -- the forward-progress watchdog: a worker stopped by SIGSTOP (alive, holding its socket) -------
 
 
-def start_streams(url: str, n: int, max_tokens: int) -> tuple[list, list[threading.Thread]]:
+def start_streams(url: str, n: int, max_tokens: int, model: str = "fake",
+                  prompt: str = "hello") -> tuple[list, list[threading.Thread]]:
     """``n`` streams of ``max_tokens``, returned once every one has its first event."""
-    body = {"model": "fake", "prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "stream": True}
     started = threading.Barrier(n + 1)
     results: list = [None] * n
@@ -205,7 +206,7 @@ def start_streams(url: str, n: int, max_tokens: int) -> tuple[list, list[threadi
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
-    started.wait(timeout=60)
+    started.wait(timeout=120)
     return results, threads
 
 
