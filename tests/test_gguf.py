@@ -967,20 +967,27 @@ def test_rows_the_packed_layouts_do_not_take_are_widened_with_a_line_saying_so(
 Q8_0_KV_TOLERANCE = {"ppl": 0.01, "agree": 0.98, "greedy_prompts": 5}
 
 
+def check_kv_tolerance(model: Any, tokenizer: Any, kind: str, tolerance: dict[str, float]) -> None:
+    """A ``kind`` KV cache against the fp16 one, teacher-forced over the fixed text: it did
+    round, its perplexity is within ``tolerance["ppl"]`` and its most likely next token the same
+    at ``tolerance["agree"]`` of the positions."""
+    if cpu.load() is None:
+        pytest.skip("the CPU kernels do not build here")
+    ids = tokenizer.encode(TOLERANCE_TEXT)[:128]
+    half = teacher_forced(model, ids, kv_dtype="float16")
+    quantized = teacher_forced(model, ids, kv_dtype=kind)
+    assert not np.array_equal(half, quantized)  # the quantized cache did round
+    ppl_half, ppl = perplexity(half, ids), perplexity(quantized, ids)
+    assert abs(ppl / ppl_half - 1) < tolerance["ppl"], (ppl_half, ppl)
+    assert agreement(half, quantized) >= tolerance["agree"]
+
+
 @needs_smollm2
 def test_smollm2_q8_0_kv_cache_within_tolerance(smollm2: tuple[Any, Any]) -> None:
     """q8_0 KV (llama.cpp's --cache-type-k/v q8_0: 8.5 bits a value), written and read in place
     by the C kernels, against fp16 KV: within its stated tolerance."""
     model, tokenizer = smollm2
-    if cpu.load() is None:
-        pytest.skip("the CPU kernels do not build here")
-    ids = tokenizer.encode(TOLERANCE_TEXT)[:128]
-    half = teacher_forced(model, ids, kv_dtype="float16")
-    q8 = teacher_forced(model, ids, kv_dtype="q8_0")
-    assert not np.array_equal(half, q8)  # the q8_0 cache did round
-    ppl_half, ppl_q8 = perplexity(half, ids), perplexity(q8, ids)
-    assert abs(ppl_q8 / ppl_half - 1) < Q8_0_KV_TOLERANCE["ppl"], (ppl_half, ppl_q8)
-    assert agreement(half, q8) >= Q8_0_KV_TOLERANCE["agree"]
+    check_kv_tolerance(model, tokenizer, "q8_0", Q8_0_KV_TOLERANCE)
     prompts = [tokenizer.encode(p) for p in RAW_PROMPTS]
     prompts += [chat_ids(tokenizer, q) for q in CHAT_PROMPTS]
     same = sum(a == b for a, b in zip(run_greedy(model, prompts, NEW_TOKENS, kv_cache_dtype="float16"),
@@ -998,14 +1005,7 @@ Q4_0_KV_TOLERANCE = {"ppl": 0.60, "agree": 0.65}
 @needs_smollm2
 def test_smollm2_q4_0_kv_cache_within_its_looser_tolerance(smollm2: tuple[Any, Any]) -> None:
     model, tokenizer = smollm2
-    if cpu.load() is None:
-        pytest.skip("the CPU kernels do not build here")
-    ids = tokenizer.encode(TOLERANCE_TEXT)[:128]
-    half = teacher_forced(model, ids, kv_dtype="float16")
-    q4 = teacher_forced(model, ids, kv_dtype="q4_0")
-    ppl_half, ppl_q4 = perplexity(half, ids), perplexity(q4, ids)
-    assert abs(ppl_q4 / ppl_half - 1) < Q4_0_KV_TOLERANCE["ppl"], (ppl_half, ppl_q4)
-    assert agreement(half, q4) >= Q4_0_KV_TOLERANCE["agree"]
+    check_kv_tolerance(model, tokenizer, "q4_0", Q4_0_KV_TOLERANCE)
 
 
 def test_a_quantized_kv_cache_is_refused_for_the_torch_model(tiny_checkpoint: Path) -> None:

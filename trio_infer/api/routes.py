@@ -239,9 +239,10 @@ def register_routes(app: Quart) -> None:
         plan, echo = plan_responses(req, state.tokenizer, state.limits, state.settings.reasoning,
                                     state.settings.thinking_token_budget, store,
                                     state.settings.hosted_tools)
-        keep, items = None, input_items(req)
-        if echo["store"]:
+        keep, items = None, []
+        if echo["store"]:  # (a background response is always stored: plan_responses checks)
             assert store is not None
+            items = input_items(req)
             keep = lambda response: store.put(stored_record(req, response, items))  # noqa: E731
         make = responses_serializer(echo, keep, req.include or ())
         if req.background:
